@@ -1,0 +1,23 @@
+//! Types shared by the moat daemon, the in-sandbox agent, the CLI and the Rust client.
+//!
+//! The daemon's OpenAPI document is generated from these types (feature `openapi`), so a change here is
+//! a change of the public API. The agent speaks the same per-sandbox types over the host↔agent channel,
+//! which is why process and file types live here and not in the daemon.
+
+pub mod error;
+pub mod files;
+pub mod process;
+pub mod sandbox;
+pub mod template;
+
+pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use files::*;
+pub use process::*;
+pub use sandbox::*;
+pub use template::*;
+
+/// Version of the host↔agent protocol; the daemon refuses an agent that reports another one.
+pub const AGENT_PROTOCOL_VERSION: u32 = 1;
+
+/// Content type of streamed event responses: one JSON object per line.
+pub const NDJSON: &str = "application/x-ndjson";

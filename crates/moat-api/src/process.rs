@@ -1,0 +1,315 @@
+//! Processes inside a sandbox: start, stream, re-attach, stdin, signals, PTY.
+//!
+//! A process is addressed by its pid (inside the sandbox) or by the tag given at start; in a path the
+//! selector `{process}` is a decimal pid or a tag (tags may not be all digits).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/sandboxes/{id}/processes`
+///
+/// Exactly one of `cmd` (argv, no shell) or `command` (a shell string run with `/bin/bash -c`, or
+/// `/bin/sh -c` where bash is missing) must be given.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct StartProcessRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// Working directory; the user's home directory when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Extra environment, on top of the sandbox's environment.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// A user name from the sandbox's /etc/passwd, or a numeric uid; `root` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Seconds after which the process group is killed (exit reports `timed_out`); none when absent or 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<f64>,
+    /// Keep stdin open for `.../stdin`; otherwise stdin is /dev/null.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Name to address the process by, unique among running processes; not all digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Run on a pseudo-terminal of this size (stdout and stderr merge into `pty` events).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// Answer at once with the process info instead of streaming its events.
+    #[serde(default)]
+    pub background: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExitStatus {
+    /// Exit code when the process exited normally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Signal name (e.g. `SIGKILL`) when a signal ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// True when the process was killed because its `timeout` passed.
+    #[serde(default)]
+    pub timed_out: bool,
+    /// Set when the process could not be started (e.g. the program does not exist).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A chunk of output. `data` holds it when it is valid UTF-8 (split characters are carried to the next
+/// chunk), `data_b64` (standard base64) otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct OutputChunk {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_b64: Option<String>,
+    /// When the agent read it, microseconds since the Unix epoch.
+    pub timestamp_us: u64,
+}
+
+/// One line of a process event stream (`application/x-ndjson`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ProcessEvent {
+    /// First event: the process runs with this pid.
+    Start {
+        pid: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tag: Option<String>,
+    },
+    Stdout(OutputChunk),
+    Stderr(OutputChunk),
+    /// Output of a process on a PTY.
+    Pty(OutputChunk),
+    /// Output bytes that were dropped from the bounded buffer before this reader saw them.
+    Dropped { bytes: u64 },
+    /// Last event.
+    Exit(ExitStatus),
+}
+
+/// A process as `GET .../processes` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProcessInfo {
+    pub pid: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// argv as executed.
+    pub cmd: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub pty: bool,
+    pub stdin_open: bool,
+    pub running: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ExitStatus>,
+    /// Microseconds since the Unix epoch.
+    pub started_at_us: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProcessList {
+    pub processes: Vec<ProcessInfo>,
+}
+
+/// Query of `GET .../processes/{process}/events` (re-attach).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[serde(deny_unknown_fields)]
+pub struct AttachQuery {
+    /// Replay the output kept since the start (default true); false streams only new output.
+    #[serde(default)]
+    pub replay: Option<bool>,
+}
+
+/// `POST .../processes/{process}/signal`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// `SIGTERM`, `TERM` or a number such as `15`.
+    pub signal: String,
+}
+
+/// `POST .../processes/{process}/resize`
+pub type ResizeRequest = PtySize;
+
+/// A process selector from a path segment: digits are a pid, anything else a tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProcessSelector {
+    Pid(u32),
+    Tag(String),
+}
+
+impl ProcessSelector {
+    pub fn parse(s: &str) -> Result<ProcessSelector, String> {
+        if s.is_empty() {
+            return Err("process selector is empty".into());
+        }
+        if s.bytes().all(|b| b.is_ascii_digit()) {
+            s.parse::<u32>()
+                .map(ProcessSelector::Pid)
+                .map_err(|_| format!("pid {s} is out of range"))
+        } else {
+            validate_tag(s)?;
+            Ok(ProcessSelector::Tag(s.to_string()))
+        }
+    }
+}
+
+impl std::fmt::Display for ProcessSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProcessSelector::Pid(p) => write!(f, "{p}"),
+            ProcessSelector::Tag(t) => write!(f, "{t}"),
+        }
+    }
+}
+
+/// Tags: 1–64 characters of `[A-Za-z0-9._-]`, not all digits.
+pub fn validate_tag(tag: &str) -> Result<(), String> {
+    if tag.is_empty() || tag.len() > 64 {
+        return Err("tag must be 1 to 64 characters".into());
+    }
+    if !tag
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err("tag may hold only letters, digits, '.', '_' and '-'".into());
+    }
+    if tag.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("tag may not be all digits (digits address a pid)".into());
+    }
+    Ok(())
+}
+
+/// Parses `SIGTERM`, `TERM`, `term` or `15` into a signal number.
+pub fn parse_signal(s: &str) -> Result<i32, String> {
+    let t = s.trim();
+    if let Ok(n) = t.parse::<i32>() {
+        return if (1..=64).contains(&n) {
+            Ok(n)
+        } else {
+            Err(format!("signal number {n} is out of range 1..64"))
+        };
+    }
+    let upper = t.to_ascii_uppercase();
+    let name = upper.strip_prefix("SIG").unwrap_or(&upper);
+    SIGNALS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, num)| *num)
+        .ok_or_else(|| format!("unknown signal {s:?}"))
+}
+
+/// Name of a signal number, `SIG` prefixed (`SIG37` for ones without a name).
+pub fn signal_name(num: i32) -> String {
+    SIGNALS
+        .iter()
+        .find(|(_, n)| *n == num)
+        .map(|(name, _)| format!("SIG{name}"))
+        .unwrap_or_else(|| format!("SIG{num}"))
+}
+
+/// x86_64 Linux signal numbers.
+const SIGNALS: &[(&str, i32)] = &[
+    ("HUP", 1),
+    ("INT", 2),
+    ("QUIT", 3),
+    ("ILL", 4),
+    ("TRAP", 5),
+    ("ABRT", 6),
+    ("BUS", 7),
+    ("FPE", 8),
+    ("KILL", 9),
+    ("USR1", 10),
+    ("SEGV", 11),
+    ("USR2", 12),
+    ("PIPE", 13),
+    ("ALRM", 14),
+    ("TERM", 15),
+    ("STKFLT", 16),
+    ("CHLD", 17),
+    ("CONT", 18),
+    ("STOP", 19),
+    ("TSTP", 20),
+    ("TTIN", 21),
+    ("TTOU", 22),
+    ("URG", 23),
+    ("XCPU", 24),
+    ("XFSZ", 25),
+    ("VTALRM", 26),
+    ("PROF", 27),
+    ("WINCH", 28),
+    ("IO", 29),
+    ("PWR", 30),
+    ("SYS", 31),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors() {
+        assert_eq!(ProcessSelector::parse("42").unwrap(), ProcessSelector::Pid(42));
+        assert_eq!(
+            ProcessSelector::parse("web-1").unwrap(),
+            ProcessSelector::Tag("web-1".into())
+        );
+        assert!(ProcessSelector::parse("").is_err());
+        assert!(ProcessSelector::parse("a/b").is_err());
+        assert!(ProcessSelector::parse("99999999999").is_err());
+    }
+
+    #[test]
+    fn signals() {
+        assert_eq!(parse_signal("SIGTERM").unwrap(), 15);
+        assert_eq!(parse_signal("kill").unwrap(), 9);
+        assert_eq!(parse_signal("2").unwrap(), 2);
+        assert!(parse_signal("0").is_err());
+        assert!(parse_signal("SIGFOO").is_err());
+        assert_eq!(signal_name(9), "SIGKILL");
+        assert_eq!(signal_name(40), "SIG40");
+    }
+
+    #[test]
+    fn event_wire_format() {
+        let ev = ProcessEvent::Stdout(OutputChunk {
+            data: Some("hi\n".into()),
+            data_b64: None,
+            timestamp_us: 7,
+        });
+        assert_eq!(
+            serde_json::to_string(&ev).unwrap(),
+            r#"{"type":"stdout","data":"hi\n","timestamp_us":7}"#
+        );
+        let exit: ProcessEvent = serde_json::from_str(r#"{"type":"exit","exit_code":3}"#).unwrap();
+        assert_eq!(
+            exit,
+            ProcessEvent::Exit(ExitStatus {
+                exit_code: Some(3),
+                ..Default::default()
+            })
+        );
+    }
+}

@@ -1,0 +1,164 @@
+//! Sandbox lifecycle types.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Isolation tier of a sandbox, chosen per sandbox at create.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Isolation {
+    /// Linux namespaces, user-namespace root remap, cgroups and overlayfs (the fast default).
+    #[default]
+    Container,
+    /// gVisor's user-space kernel (runsc).
+    Gvisor,
+    /// A QEMU microvm with its own guest kernel.
+    Microvm,
+}
+
+impl Isolation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::Container => "container",
+            Isolation::Gvisor => "gvisor",
+            Isolation::Microvm => "microvm",
+        }
+    }
+}
+
+impl std::str::FromStr for Isolation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "container" => Ok(Isolation::Container),
+            "gvisor" => Ok(Isolation::Gvisor),
+            "microvm" => Ok(Isolation::Microvm),
+            other => Err(format!("unknown isolation {other:?} (container, gvisor, microvm)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Being created; not yet reachable.
+    Starting,
+    /// Its agent answers; commands and files work.
+    Running,
+    /// Frozen; resumes where it stopped.
+    Paused,
+    /// Being torn down.
+    Stopping,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Stopping => "stopping",
+        }
+    }
+}
+
+impl std::str::FromStr for SandboxState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "starting" => Ok(SandboxState::Starting),
+            "running" => Ok(SandboxState::Running),
+            "paused" => Ok(SandboxState::Paused),
+            "stopping" => Ok(SandboxState::Stopping),
+            other => Err(format!("unknown state {other:?} (starting, running, paused, stopping)")),
+        }
+    }
+}
+
+/// `POST /v1/sandboxes`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Template name; the daemon's default template (`base`) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Seconds until the sandbox is killed; the daemon default (300) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+    /// Environment variables every command in the sandbox starts with.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Labels for filtering in list; not visible inside the sandbox.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+    /// CPU limit in cores, fractional allowed (e.g. 0.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB (hard limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// Isolation tier; `container` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Sandbox {
+    /// Unguessable id, `sbx_` followed by 26 base32 characters.
+    pub id: String,
+    pub template: String,
+    pub isolation: Isolation,
+    pub state: SandboxState,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339; the sandbox is killed at this time unless the timeout is extended.
+    pub expires_at: String,
+    pub metadata: BTreeMap<String, String>,
+    /// Names of the environment variables set at create (values are not echoed back).
+    pub env_keys: Vec<String>,
+    /// CPU limit in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mb: u64,
+    /// Hostname inside the sandbox.
+    pub hostname: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout` seconds from now.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeoutRequest {
+    pub timeout: u64,
+}
+
+/// `GET /healthz`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Health {
+    pub status: String,
+    pub version: String,
+    pub tiers: Vec<TierInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TierInfo {
+    pub isolation: Isolation,
+    pub available: bool,
+    /// Why the tier is unavailable, or a warning about how it runs here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}

@@ -1,0 +1,109 @@
+//! Templates: the read-only root filesystems sandboxes start from.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum TemplateSource {
+    /// Built by moat from Debian packages with debootstrap.
+    Debootstrap,
+    /// Copied from a root filesystem directory on the host.
+    Directory,
+    /// Unpacked from a root filesystem tarball on the host.
+    Tarball,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum TemplateStatus {
+    Building,
+    Ready,
+    Failed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Template {
+    pub name: String,
+    pub source: TemplateSource,
+    pub status: TemplateStatus,
+    /// Bytes on disk.
+    pub size_bytes: u64,
+    /// RFC 3339.
+    pub created_at: String,
+    /// Why the last build failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}
+
+/// `POST /v1/templates`: register a root filesystem directory or tarball on the daemon's host.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RegisterTemplateRequest {
+    /// 1–63 characters of `[a-z0-9._-]`, starting with a letter or digit.
+    pub name: String,
+    /// Absolute host path of a root filesystem directory or a (optionally gzip-compressed) tarball.
+    pub path: String,
+}
+
+/// One line of `POST /v1/templates/{name}/build` (`application/x-ndjson`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum BuildEvent {
+    /// A build phase and how far it is (`total` 0 when unknown).
+    Progress {
+        phase: String,
+        done: u64,
+        total: u64,
+    },
+    /// A line of the build tool's output.
+    Log { line: String },
+    /// Last event of a successful build.
+    Done { template: Template },
+    /// Last event of a failed build.
+    Failed { message: String },
+}
+
+/// Template names: 1–63 characters of `[a-z0-9._-]`, starting with a letter or digit.
+pub fn validate_template_name(name: &str) -> Result<(), String> {
+    let ok_len = !name.is_empty() && name.len() <= 63;
+    let ok_first = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+    if ok_len && ok_first && ok_chars && name != "." && name != ".." {
+        Ok(())
+    } else {
+        Err(format!(
+            "template name {name:?} must be 1-63 characters of [a-z0-9._-] starting with a letter or digit"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(validate_template_name("base").is_ok());
+        assert!(validate_template_name("py-3.11").is_ok());
+        assert!(validate_template_name("").is_err());
+        assert!(validate_template_name("../etc").is_err());
+        assert!(validate_template_name("Base").is_err());
+        assert!(validate_template_name(&"a".repeat(64)).is_err());
+    }
+}
