@@ -1,0 +1,60 @@
+//! Daemon configuration: command-line flags with environment fallbacks and embedded defaults.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Flags of `moat serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// TCP address of the REST API (loopback by default).
+    #[arg(long, env = "MOAT_LISTEN", default_value = "127.0.0.1:6628")]
+    pub listen: SocketAddr,
+    /// Also serve the API on this unix socket.
+    #[arg(long, env = "MOAT_UNIX_SOCKET")]
+    pub unix_socket: Option<PathBuf>,
+    /// Where state (SQLite), templates and sandbox layers live.
+    #[arg(long, env = "MOAT_DATA_DIR", default_value = "/var/lib/moat")]
+    pub data_dir: PathBuf,
+    /// Sandbox lifetime when create gives none, in seconds.
+    #[arg(long, env = "MOAT_DEFAULT_TIMEOUT", default_value_t = 300)]
+    pub default_timeout: u64,
+    /// Longest lifetime a sandbox may be given, in seconds.
+    #[arg(long, env = "MOAT_MAX_TIMEOUT", default_value_t = 86_400)]
+    pub max_timeout: u64,
+    /// Template used when create names none.
+    #[arg(long, env = "MOAT_DEFAULT_TEMPLATE", default_value = "base")]
+    pub default_template: String,
+    /// Static agent binary bind-mounted into sandboxes; found next to the `moat` binary or in
+    /// /usr/local/lib/moat when absent.
+    #[arg(long, env = "MOAT_AGENT")]
+    pub agent: Option<PathBuf>,
+    /// Default CPU limit of a sandbox, in cores.
+    #[arg(long, env = "MOAT_DEFAULT_CPU", default_value_t = 1.0)]
+    pub default_cpu: f64,
+    /// Default memory limit of a sandbox, in MiB.
+    #[arg(long, env = "MOAT_DEFAULT_MEMORY_MB", default_value_t = 512)]
+    pub default_memory_mb: u64,
+    /// First host uid/gid of the ranges sandbox users map to (each sandbox gets 65536 ids).
+    #[arg(long, env = "MOAT_UID_BASE", default_value_t = 1_000_000_000)]
+    pub uid_base: u32,
+    /// Largest request body accepted by JSON endpoints, in bytes (file uploads stream and are unlimited).
+    #[arg(long, env = "MOAT_MAX_JSON_BODY", default_value_t = 1 << 20)]
+    pub max_json_body: usize,
+}
+
+impl ServeArgs {
+    /// Path of the API key file the daemon creates on first start and the CLI reads.
+    pub fn api_key_path(&self) -> PathBuf {
+        api_key_path(&self.data_dir)
+    }
+}
+
+/// `<data_dir>/api-key`.
+pub fn api_key_path(data_dir: &std::path::Path) -> PathBuf {
+    data_dir.join("api-key")
+}
+
+/// Default data directory, for clients that look for the API key on the same machine.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/moat";
+/// Default API address, for clients.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:6628";

@@ -1,0 +1,4 @@
+//! Templates: the read-only root filesystems sandboxes start from.
+//!
+//! `debootstrap` builds the `base` template from Debian packages; `import` registers a root filesystem
+//! directory or tarball from the host.
