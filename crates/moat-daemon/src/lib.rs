@@ -1,19 +1,219 @@
 //! The moat daemon: REST API, sandbox lifecycle, isolation tiers and the host mechanisms under them.
+//!
+//! Request path: `api` (routing, auth, validation) → `sandboxes` (lifecycle, state in `db`) → a `tier`
+//! (how a sandbox is isolated) → `host` mechanisms (cgroups, mounts, /proc). Process and file requests
+//! go from `api::proxy` through `agent` to the in-sandbox agent.
 
+pub mod agent;
+pub mod api;
 pub mod config;
+pub mod db;
+pub mod error;
+pub mod extract;
+pub mod host;
+pub mod sandboxes;
 pub mod template;
+pub mod tier;
+
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use rand::RngCore;
+use sha2::Digest;
 
 pub use config::ServeArgs;
 
-/// Runs the daemon until SIGINT/SIGTERM.
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let _ = args;
-    anyhow::bail!("not yet")
+/// Runs the daemon until SIGINT/SIGTERM. Sandboxes outlive the daemon and are re-adopted at the next start.
+pub async fn serve(args: ServeArgs) -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("moat serve must run as root (it creates namespaces, cgroups and mounts)");
+    }
+    // Sandboxes' PID 1s are re-parented to the daemon when their init helper exits, so it can reap them.
+    nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
+    std::fs::create_dir_all(&args.data_dir).with_context(|| format!("create {}", args.data_dir.display()))?;
+    std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o711))?;
+    extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
+
+    let api_key = load_or_create_api_key(&args.api_key_path())?;
+    let db = Arc::new(db::Db::open(&args.data_dir.join("moat.db"))?);
+    let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
+    templates.recover(&db)?;
+    let agent = install_agent(&args)?;
+    let container = tier::container::ContainerTier::new(args.data_dir.join("sandboxes"), agent, args.uid_base)?;
+    let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
+    let sandboxes = Arc::new(sandboxes::Sandboxes::new(args.clone(), db, templates, tiers));
+    sandboxes.recover().await.context("recover sandboxes")?;
+    tokio::spawn(sandboxes.clone().expire_loop(Duration::from_millis(500)));
+
+    let state = Arc::new(api::AppState { sandboxes, api_key });
+    let app = api::router(state);
+    let tcp = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listen on {}", args.listen))?;
+    tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), "moat daemon listening");
+    if let Some(path) = &args.unix_socket {
+        let _ = std::fs::remove_file(path);
+        let uds = tokio::net::UnixListener::bind(path).with_context(|| format!("listen on {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let app = app.clone();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(uds, app).with_graceful_shutdown(shutdown_signal()).await {
+                tracing::error!("unix socket server: {e}");
+            }
+        });
+        tracing::info!(socket = %path.display(), "also listening on unix socket");
+    }
+    axum::serve(tcp, app).with_graceful_shutdown(shutdown_signal()).await?;
+    tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Reads the API key, creating it (0600) on first start.
+pub fn load_or_create_api_key(path: &Path) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(k) if !k.trim().is_empty() => return Ok(k.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+    }
+    let mut b = [0u8; 24];
+    rand::rngs::OsRng.fill_bytes(&mut b);
+    let key = format!("moat_{}", hex::encode(b));
+    let tmp = path.with_extension("tmp");
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode_0600()
+            .open(&tmp)
+            .with_context(|| format!("create {}", tmp.display()))?;
+        writeln!(f, "{key}")?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    tracing::info!(path = %path.display(), "generated a new API key");
+    Ok(key)
+}
+
+trait Mode0600 {
+    fn mode_0600(&mut self) -> &mut Self;
+}
+
+impl Mode0600 for std::fs::OpenOptions {
+    fn mode_0600(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.mode(0o600)
+    }
+}
+
+/// Finds the static agent binary and copies it, content-addressed, into `<data_dir>/bin`, so what
+/// sandboxes bind-mount is root-owned and never changes under a running sandbox.
+fn install_agent(args: &ServeArgs) -> Result<PathBuf> {
+    let candidates: Vec<PathBuf> = match &args.agent {
+        Some(p) => vec![p.clone()],
+        None => {
+            let mut v = Vec::new();
+            if let Ok(exe) = std::env::current_exe() {
+                if let Some(d) = exe.parent() {
+                    v.push(d.join("moat-agent"));
+                }
+            }
+            v.push(PathBuf::from("/usr/local/lib/moat/moat-agent"));
+            v
+        }
+    };
+    let src = candidates
+        .iter()
+        .find(|p| p.is_file())
+        .with_context(|| format!("no agent binary found (looked at {candidates:?}); build it with scripts/build-agent.sh and pass --agent"))?;
+    let mut bytes = Vec::new();
+    std::fs::File::open(src)?.read_to_end(&mut bytes)?;
+    if elf_has_interpreter(&bytes)? {
+        bail!("agent {} is dynamically linked; sandboxes need a static one (scripts/build-agent.sh)", src.display());
+    }
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let dir = args.data_dir.join("bin");
+    std::fs::create_dir_all(&dir)?;
+    let dst = dir.join(format!("moat-agent-{}", &digest[..16]));
+    if !dst.exists() {
+        let tmp = dir.join(format!(".agent-{}", std::process::id()));
+        std::fs::write(&tmp, &bytes)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, &dst)?;
+    }
+    tracing::info!(agent = %dst.display(), "agent installed");
+    Ok(dst)
+}
+
+/// Whether an ELF64 file has a PT_INTERP program header (i.e. needs a dynamic loader).
+fn elf_has_interpreter(b: &[u8]) -> Result<bool> {
+    if b.len() < 64 || &b[..4] != b"\x7fELF" || b[4] != 2 {
+        bail!("agent binary is not an ELF64 file");
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(b[32..40].try_into()?) as usize;
+    let (phentsize, phnum) = (u16_at(54), u16_at(56));
+    for i in 0..phnum {
+        let o = phoff + i * phentsize;
+        if o + 4 > b.len() {
+            bail!("truncated ELF program headers");
+        }
+        if u32::from_le_bytes(b[o..o + 4].try_into()?) == 3 {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The container tier starts each sandbox through a fresh, single-threaded copy of the `moat` binary
 /// (`moat __sandbox-init ...`). Call this first thing in `main`, before any runtime or thread starts:
 /// it returns `Some(exit_code)` when this process is such an init helper.
 pub fn maybe_sandbox_init() -> Option<i32> {
-    None
+    let mut args = std::env::args_os();
+    if args.nth(1).as_deref() != Some(std::ffi::OsStr::new(tier::container::init::INIT_ARG)) {
+        return None;
+    }
+    let config = args.next().and_then(|a| a.into_string().ok()).unwrap_or_default();
+    Some(tier::container::init::main(&config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_key_is_created_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("api-key");
+        let a = load_or_create_api_key(&p).unwrap();
+        let b = load_or_create_api_key(&p).unwrap();
+        assert_eq!(a, b);
+        assert!(a.starts_with("moat_") && a.len() == 53);
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+    }
+
+    #[test]
+    fn own_binary_is_dynamic() {
+        let exe = std::fs::read("/proc/self/exe").unwrap();
+        // The test binary is linked dynamically against glibc.
+        assert!(elf_has_interpreter(&exe).unwrap());
+        assert!(elf_has_interpreter(b"not an elf").is_err());
+    }
 }

@@ -2,3 +2,7 @@
 //!
 //! `debootstrap` builds the `base` template from Debian packages; `import` registers a root filesystem
 //! directory or tarball from the host.
+
+pub mod debootstrap;
+pub mod import;
+pub mod store;

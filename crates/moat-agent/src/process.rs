@@ -1,0 +1,470 @@
+//! The process table, spawning (pipes or a PTY, own process group, user switch) and the reaper.
+//!
+//! Reaping: the agent may be PID 1 and must reap every zombie while still learning the status of the
+//! processes it started. A reaper thread waits with `waitid(P_ALL, WEXITED | WNOWAIT)` (which does not
+//! reap), then takes `spawn_lock` and reaps that one pid with `waitpid(pid, WNOHANG)`. `spawn_lock` is
+//! also held around `Command::spawn` + inserting the pid in the table, because std's spawn reaps its
+//! own child when exec fails and must not find it reaped by someone else.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use moat_api::{ExitStatus, ProcessInfo, ProcessSelector, PtySize};
+
+use crate::http::{now_us, ApiError};
+use crate::ring::{Reader, Ring, Stream, Utf8Carry};
+use crate::users::User;
+
+/// Exited processes kept for `GET /processes` and re-attach.
+const MAX_EXITED: usize = 64;
+/// How long after the exit the agent waits for the output pipes to reach EOF (a background child may
+/// hold them open forever).
+const OUTPUT_GRACE: Duration = Duration::from_millis(300);
+const READ_BUF: usize = 64 * 1024;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What to start; validated by the caller.
+pub struct SpawnSpec {
+    /// Resolved program to execute.
+    pub program: PathBuf,
+    /// argv as requested (argv[0] is passed as is).
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub cwd: PathBuf,
+    pub user: User,
+    pub pty: Option<PtySize>,
+    pub stdin: bool,
+    pub tag: Option<String>,
+}
+
+/// A started process.
+pub struct Proc {
+    pub pid: u32,
+    pub tag: Option<String>,
+    pub cmd: Vec<String>,
+    pub cwd: String,
+    pub user: String,
+    pub started_at_us: u64,
+    pub ring: Arc<Ring>,
+    stdin: Mutex<Option<Arc<File>>>,
+    master: Option<File>,
+    pub timed_out: AtomicBool,
+    fin: Mutex<Fin>,
+}
+
+#[derive(Default)]
+struct Fin {
+    status: Option<ExitStatus>,
+    open_outputs: u32,
+}
+
+impl Proc {
+    pub fn is_pty(&self) -> bool {
+        self.master.is_some()
+    }
+
+    pub fn running(&self) -> bool {
+        lock(&self.fin).status.is_none()
+    }
+
+    pub fn stdin(&self) -> Option<Arc<File>> {
+        lock(&self.stdin).clone()
+    }
+
+    /// Closes the agent's end of stdin; false when it was not open.
+    pub fn close_stdin(&self) -> bool {
+        lock(&self.stdin).take().is_some()
+    }
+
+    pub fn master(&self) -> Option<&File> {
+        self.master.as_ref()
+    }
+
+    pub fn info(&self) -> ProcessInfo {
+        let status = lock(&self.fin).status.clone();
+        ProcessInfo {
+            pid: self.pid,
+            tag: self.tag.clone(),
+            cmd: self.cmd.clone(),
+            cwd: self.cwd.clone(),
+            user: self.user.clone(),
+            pty: self.is_pty(),
+            stdin_open: lock(&self.stdin).is_some(),
+            running: status.is_none(),
+            exit: status,
+            started_at_us: self.started_at_us,
+        }
+    }
+
+    /// Called by the reaper.
+    fn exited(self: &Arc<Self>, status: ExitStatus) {
+        let mut fin = lock(&self.fin);
+        fin.status = Some(status.clone());
+        let outputs_done = fin.open_outputs == 0;
+        drop(fin);
+        lock(&self.stdin).take();
+        if outputs_done {
+            self.ring.finish(status);
+        } else {
+            let me = Arc::clone(self);
+            std::thread::spawn(move || {
+                std::thread::sleep(OUTPUT_GRACE);
+                me.ring.finish(status);
+            });
+        }
+    }
+
+    /// Called by an output thread at EOF.
+    fn output_done(&self) {
+        let mut fin = lock(&self.fin);
+        fin.open_outputs = fin.open_outputs.saturating_sub(1);
+        if fin.open_outputs == 0 {
+            if let Some(status) = fin.status.clone() {
+                drop(fin);
+                self.ring.finish(status);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    running: HashMap<u32, Arc<Proc>>,
+    exited: VecDeque<Arc<Proc>>,
+}
+
+/// All processes the agent started.
+pub struct Processes {
+    spawn_lock: Mutex<()>,
+    table: Mutex<Table>,
+    /// Bumped on every spawn; the reaper waits on it while there are no children.
+    spawned: (Mutex<u64>, Condvar),
+    ring_cap: usize,
+}
+
+impl Processes {
+    pub fn new(ring_cap: usize) -> Arc<Processes> {
+        Arc::new(Processes {
+            spawn_lock: Mutex::new(()),
+            table: Mutex::new(Table::default()),
+            spawned: (Mutex::new(0), Condvar::new()),
+            ring_cap,
+        })
+    }
+
+    /// Looks a process up: running ones first, then the most recent exited one.
+    pub fn find(&self, sel: &ProcessSelector) -> Option<Arc<Proc>> {
+        let t = lock(&self.table);
+        match sel {
+            ProcessSelector::Pid(pid) => t
+                .running
+                .get(pid)
+                .cloned()
+                .or_else(|| t.exited.iter().rev().find(|p| p.pid == *pid).cloned()),
+            ProcessSelector::Tag(tag) => t
+                .running
+                .values()
+                .find(|p| p.tag.as_deref() == Some(tag))
+                .cloned()
+                .or_else(|| {
+                    t.exited
+                        .iter()
+                        .rev()
+                        .find(|p| p.tag.as_deref() == Some(tag))
+                        .cloned()
+                }),
+        }
+    }
+
+    /// Running processes (by start time), then the kept exited ones (oldest first).
+    pub fn list(&self) -> Vec<ProcessInfo> {
+        let t = lock(&self.table);
+        let mut running: Vec<&Arc<Proc>> = t.running.values().collect();
+        running.sort_by_key(|p| (p.started_at_us, p.pid));
+        running
+            .into_iter()
+            .chain(t.exited.iter())
+            .map(|p| p.info())
+            .collect()
+    }
+
+    /// Starts a process. With `attach`, a replaying reader is attached before any output is read.
+    pub fn spawn(
+        &self,
+        spec: SpawnSpec,
+        attach: bool,
+    ) -> Result<(Arc<Proc>, Option<Reader>), ApiError> {
+        let ring = Ring::new(self.ring_cap);
+        let reader = attach.then(|| ring.attach(true));
+        let mut cmd = Command::new(&spec.program);
+        if let Some(arg0) = spec.argv.first() {
+            cmd.arg0(arg0);
+        }
+        cmd.args(spec.argv.iter().skip(1))
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&spec.cwd);
+
+        let mut master = None;
+        if let Some(size) = spec.pty {
+            let (m, slave) = crate::pty::open(size)
+                .map_err(|e| ApiError::internal(format!("opening a pty: {e}")))?;
+            let dup = |fd: &OwnedFd| {
+                fd.try_clone()
+                    .map_err(|e| ApiError::internal(format!("dup: {e}")))
+            };
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+            master = Some(File::from(m));
+        } else {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        }
+
+        let is_pty = spec.pty.is_some();
+        // SAFETY: these are plain syscalls reading integers (no allocation, no locks).
+        let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let switch_user = spec.user.uid != euid || spec.user.gid != egid;
+        let (uid, gid) = (spec.user.uid, spec.user.gid);
+        let groups: Vec<libc::gid_t> = spec.user.groups.clone();
+        // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
+        // syscalls (setsid, setpgid, ioctl, setgroups, setgid, setuid) on data allocated before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if is_pty {
+                    if libc::setsid() < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::setpgid(0, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if switch_user
+                    && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                        || libc::setgid(gid) < 0
+                        || libc::setuid(uid) < 0)
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+
+        let guard = lock(&self.spawn_lock);
+        if let Some(tag) = &spec.tag {
+            if lock(&self.table)
+                .running
+                .values()
+                .any(|p| p.tag.as_ref() == Some(tag))
+            {
+                return Err(ApiError::conflict(format!(
+                    "a running process already has tag {tag:?}"
+                )));
+            }
+        }
+        let mut child = cmd.spawn().map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => {
+                ApiError::invalid("cmd", format!("starting {:?}: {e}", spec.program))
+            }
+            _ => ApiError::internal(format!("starting {:?}: {e}", spec.program)),
+        })?;
+        let pid = child.id();
+        let stdin = if is_pty {
+            master
+                .as_ref()
+                .and_then(|m| m.try_clone().ok())
+                .map(Arc::new)
+        } else {
+            child
+                .stdin
+                .take()
+                .map(|s| Arc::new(File::from(OwnedFd::from(s))))
+        };
+        let mut outputs: Vec<(Stream, File)> = Vec::new();
+        if let Some(m) = master.as_ref().and_then(|m| m.try_clone().ok()) {
+            outputs.push((Stream::Pty, m));
+        }
+        if let Some(s) = child.stdout.take() {
+            outputs.push((Stream::Stdout, File::from(OwnedFd::from(s))));
+        }
+        if let Some(s) = child.stderr.take() {
+            outputs.push((Stream::Stderr, File::from(OwnedFd::from(s))));
+        }
+        let proc = Arc::new(Proc {
+            pid,
+            tag: spec.tag.clone(),
+            cmd: spec.argv.clone(),
+            cwd: spec.cwd.to_string_lossy().into_owned(),
+            user: spec.user.name.clone(),
+            started_at_us: now_us(),
+            ring,
+            stdin: Mutex::new(if is_pty || spec.stdin { stdin } else { None }),
+            master,
+            timed_out: AtomicBool::new(false),
+            fin: Mutex::new(Fin {
+                status: None,
+                open_outputs: outputs.len() as u32,
+            }),
+        });
+        lock(&self.table).running.insert(pid, Arc::clone(&proc));
+        drop(guard);
+        // The command holds the parent's copies of the pty slave; close them so EOF is seen.
+        drop(cmd);
+        drop(child); // never waited on: the reaper does that.
+        {
+            let (m, cv) = &self.spawned;
+            *lock(m) += 1;
+            cv.notify_all();
+        }
+        for (stream, file) in outputs {
+            let p = Arc::clone(&proc);
+            std::thread::spawn(move || pump_output(p, stream, file));
+        }
+        Ok((proc, reader))
+    }
+
+    /// Reaps children forever (run on its own thread).
+    pub fn reap_forever(self: Arc<Self>) {
+        loop {
+            let seen = *lock(&self.spawned.0);
+            // SAFETY: siginfo_t is plain data; zeroed is a valid value for it.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `info` is a valid, writable siginfo_t; WNOWAIT leaves the child a zombie.
+            let r =
+                unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
+            if r < 0 {
+                match std::io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    Some(libc::ECHILD) => {
+                        let (m, cv) = &self.spawned;
+                        let g = lock(m);
+                        if *g == seen {
+                            let _ = cv.wait_timeout(g, Duration::from_secs(1));
+                        }
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(50)),
+                }
+                continue;
+            }
+            // SAFETY: waitid succeeded with WEXITED, so si_pid is the field that was filled in.
+            let pid = unsafe { info.si_pid() };
+            if pid <= 0 {
+                continue;
+            }
+            let guard = lock(&self.spawn_lock);
+            let mut raw = 0;
+            // SAFETY: `raw` is a valid int to write the status into.
+            let r = unsafe { libc::waitpid(pid, &mut raw, libc::WNOHANG) };
+            let proc = if r == pid {
+                let mut t = lock(&self.table);
+                let p = t.running.remove(&(pid as u32));
+                if let Some(p) = &p {
+                    t.exited.push_back(Arc::clone(p));
+                    while t.exited.len() > MAX_EXITED {
+                        t.exited.pop_front();
+                    }
+                }
+                p
+            } else {
+                None
+            };
+            drop(guard);
+            if let Some(p) = proc {
+                let mut status = decode_status(raw);
+                status.timed_out = p.timed_out.load(Ordering::SeqCst);
+                p.exited(status);
+            }
+        }
+    }
+}
+
+/// Turns a wait status into the API's exit status.
+pub fn decode_status(raw: i32) -> ExitStatus {
+    let mut s = ExitStatus::default();
+    if libc::WIFEXITED(raw) {
+        s.exit_code = Some(libc::WEXITSTATUS(raw));
+    } else if libc::WIFSIGNALED(raw) {
+        s.signal = Some(moat_api::signal_name(libc::WTERMSIG(raw)));
+    }
+    s
+}
+
+/// Copies one output of a process into its ring until EOF (EIO on a pty whose slave is closed).
+fn pump_output(proc: Arc<Proc>, stream: Stream, mut file: File) {
+    let mut buf = vec![0u8; READ_BUF];
+    let mut carry = Utf8Carry::default();
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                let out = carry.feed(&buf[..n]);
+                proc.ring.push(stream, Bytes::from(out), now_us());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    proc.ring
+        .push(stream, Bytes::from(carry.finish()), now_us());
+    proc.output_done();
+}
+
+/// Sends `sig` to the process group of `proc` (its pid: every process gets its own group).
+pub fn signal_group(proc: &Proc, sig: i32) -> std::io::Result<()> {
+    // SAFETY: kill has no memory-safety preconditions.
+    if unsafe { libc::kill(-(proc.pid as i32), sig) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Kills the process group once `secs` pass, marking the exit as timed out.
+pub fn arm_timeout(proc: Arc<Proc>, secs: f64) {
+    let Ok(d) = Duration::try_from_secs_f64(secs) else {
+        return;
+    };
+    tokio::spawn(async move {
+        tokio::time::sleep(d).await;
+        if proc.running() {
+            proc.timed_out.store(true, Ordering::SeqCst);
+            let _ = signal_group(&proc, libc::SIGKILL);
+        }
+    });
+}
+
+/// The raw fd of a pty master, for ioctls.
+pub fn master_fd(proc: &Proc) -> Option<i32> {
+    proc.master().map(|m| m.as_raw_fd())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_decoding() {
+        assert_eq!(decode_status(3 << 8).exit_code, Some(3));
+        let s = decode_status(9);
+        assert_eq!((s.exit_code, s.signal.as_deref()), (None, Some("SIGKILL")));
+    }
+}

@@ -1,0 +1,126 @@
+//! Accepting connections, serving each with HTTP/2 (prior knowledge) and routing by method + path.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http::{header, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use moat_api::{ErrorBody, ErrorCode, AGENT_PROTOCOL_VERSION};
+use tokio::net::UnixListener;
+
+use crate::http::{full, json, ApiError, HandlerResult, RespBody};
+use crate::process::Processes;
+use crate::{fsops, procapi, tarops, watch};
+
+/// State shared by all connections.
+pub struct Agent {
+    pub procs: Arc<Processes>,
+    /// The agent's own environment at start: the base of every process's environment.
+    pub base_env: BTreeMap<String, String>,
+}
+
+/// Accepts connections forever.
+pub async fn serve(listener: UnixListener, agent: Arc<Agent>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                eprintln!("moat-agent: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let agent = Arc::clone(&agent);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| handle(Arc::clone(&agent), req));
+            let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            builder
+                .initial_stream_window_size(1 << 20)
+                .initial_connection_window_size(4 << 20)
+                .max_concurrent_streams(1024);
+            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+                eprintln!("moat-agent: connection ended: {e}");
+            }
+        });
+    }
+}
+
+/// Answers one request; errors become JSON error responses, never panics.
+pub async fn handle(
+    agent: Arc<Agent>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, Infallible> {
+    let (parts, body) = req.into_parts();
+    let resp = route(
+        &agent,
+        &parts.method,
+        parts.uri.path(),
+        parts.uri.query(),
+        body,
+    )
+    .await
+    .unwrap_or_else(ApiError::into_response);
+    Ok(resp)
+}
+
+fn method_not_allowed(method: &Method, path: &str) -> HandlerResult {
+    let body = ErrorBody::new(
+        ErrorCode::InvalidArgument,
+        format!("method {method} is not allowed on {path}"),
+    );
+    let mut resp = Response::new(full(serde_json::to_vec(&body).unwrap_or_default()));
+    *resp.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    Ok(resp)
+}
+
+async fn route(
+    agent: &Agent,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    body: Incoming,
+) -> HandlerResult {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let m = method.clone();
+    match (segs.as_slice(), m) {
+        (["health"], Method::GET) => json(
+            StatusCode::OK,
+            &serde_json::json!({"protocol": AGENT_PROTOCOL_VERSION, "version": env!("CARGO_PKG_VERSION")}),
+        ),
+        (["processes"], Method::GET) => procapi::list(agent),
+        (["processes"], Method::POST) => procapi::start(agent, body).await,
+        (["processes", sel, "events"], Method::GET) => procapi::events(agent, sel, query),
+        (["processes", sel, "stdin"], Method::POST) => procapi::stdin(agent, sel, body).await,
+        (["processes", sel, "close-stdin"], Method::POST) => procapi::close_stdin(agent, sel),
+        (["processes", sel, "signal"], Method::POST) => procapi::signal(agent, sel, body).await,
+        (["processes", sel, "resize"], Method::POST) => procapi::resize(agent, sel, body).await,
+        (["files"], Method::GET) => fsops::read_file(query).await,
+        (["files"], Method::PUT) => fsops::write_file(query, body).await,
+        (["fs", "stat"], Method::GET) => fsops::stat(query),
+        (["fs", "exists"], Method::GET) => fsops::exists(query),
+        (["fs", "list"], Method::GET) => fsops::list(query).await,
+        (["fs", "mkdir"], Method::POST) => fsops::mkdir(body).await,
+        (["fs", "rename"], Method::POST) => fsops::rename(body).await,
+        (["fs"], Method::DELETE) => fsops::remove(query).await,
+        (["fs", "tar"], Method::GET) => tarops::download(query),
+        (["fs", "tar"], Method::PUT) => tarops::upload(query, body).await,
+        (["fs", "watch"], Method::GET) => watch::watch(query),
+        (
+            ["health"]
+            | ["processes"]
+            | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
+            | ["files"]
+            | ["fs"]
+            | ["fs", "stat" | "exists" | "list" | "mkdir" | "rename" | "tar" | "watch"],
+            _,
+        ) => method_not_allowed(method, path),
+        _ => Err(ApiError::not_found(format!("no endpoint {path}"))),
+    }
+}

@@ -1,0 +1,182 @@
+//! `GET /fs/tar` and `PUT /fs/tar`: tar archives streamed in both directions without buffering the
+//! whole archive (a blocking worker on one side, a bounded channel on the other).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use bytes::{Buf, Bytes};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use moat_api::PathQuery;
+use tokio::sync::mpsc;
+
+use crate::fsops::{blocking, create_dirs, resolve};
+use crate::http::{no_content, parse_query, streamed, ApiError, HandlerResult};
+
+const CHUNK: usize = 64 * 1024;
+
+/// A `Write` that sends 64 KiB pieces into a bounded channel (blocking when it is full).
+struct ChannelWriter {
+    tx: mpsc::Sender<std::io::Result<Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl ChannelWriter {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx
+            .blocking_send(Ok(data))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client went away"))
+    }
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.send()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}
+
+/// A blocking `Read` over request body pieces arriving through a bounded channel.
+struct ChannelReader {
+    rx: mpsc::Receiver<std::io::Result<Bytes>>,
+    cur: Bytes,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(b)) => self.cur = b,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.cur.len());
+        out[..n].copy_from_slice(&self.cur[..n]);
+        self.cur.advance(n);
+        Ok(n)
+    }
+}
+
+fn build_archive(path: &Path, w: ChannelWriter) -> std::io::Result<()> {
+    let mut b = tar::Builder::new(w);
+    b.follow_symlinks(false);
+    b.mode(tar::HeaderMode::Complete);
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() {
+        b.append_dir_all(".", path)?;
+    } else {
+        let name = path
+            .file_name()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("file"));
+        b.append_path_with_name(path, name)?;
+    }
+    let mut w = b.into_inner()?;
+    w.flush()
+}
+
+/// `GET /fs/tar?path=`
+pub fn download(query: Option<&str>) -> HandlerResult {
+    let q: PathQuery = parse_query(query)?;
+    let path = resolve(&q.path, "path")?;
+    let shown = path.display().to_string();
+    std::fs::symlink_metadata(&path).map_err(|e| ApiError::io(&shown, &e))?;
+    let (tx, rx) = mpsc::channel(8);
+    tokio::task::spawn_blocking(move || {
+        let w = ChannelWriter {
+            tx: tx.clone(),
+            buf: Vec::with_capacity(CHUNK),
+        };
+        if let Err(e) = build_archive(&path, w) {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                eprintln!("moat-agent: tar of {}: {e}", path.display());
+            }
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    Ok(streamed("application/x-tar", rx, None))
+}
+
+fn extract(dest: &Path, r: ChannelReader) -> Result<(), ApiError> {
+    let mut ar = tar::Archive::new(r);
+    ar.set_preserve_permissions(true);
+    ar.set_preserve_ownerships(true);
+    ar.set_preserve_mtime(true);
+    ar.set_overwrite(true);
+    let bad = |e: std::io::Error| ApiError::invalid("body", format!("reading tar archive: {e}"));
+    for entry in ar.entries().map_err(bad)? {
+        let mut entry = entry.map_err(bad)?;
+        let name = entry
+            .path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        match entry.unpack_in(dest) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(ApiError::invalid(
+                    "body",
+                    format!("tar entry {name:?} would land outside {}", dest.display()),
+                ))
+            }
+            Err(e) => return Err(ApiError::io(&format!("extracting {name:?}"), &e)),
+        }
+    }
+    Ok(())
+}
+
+/// `PUT /fs/tar?path=`
+pub async fn upload(query: Option<&str>, mut body: Incoming) -> HandlerResult {
+    let q: PathQuery = parse_query(query)?;
+    let dest = resolve(&q.path, "path")?;
+    {
+        let dest = dest.clone();
+        blocking(move || create_dirs(&dest, 0, 0)).await?;
+    }
+    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(8);
+    let worker = tokio::task::spawn_blocking(move || {
+        extract(
+            &dest,
+            ChannelReader {
+                rx,
+                cur: Bytes::new(),
+            },
+        )
+    });
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    if tx.send(Ok(data)).await.is_err() {
+                        break; // the extractor stopped (error); its result says why
+                    }
+                }
+            }
+            Err(e) => {
+                let _ = tx
+                    .send(Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        e.to_string(),
+                    )))
+                    .await;
+                break;
+            }
+        }
+    }
+    drop(tx);
+    worker
+        .await
+        .map_err(|e| ApiError::internal(format!("tar worker failed: {e}")))??;
+    no_content()
+}

@@ -1,0 +1,166 @@
+//! `GET /fs/watch`: inotify events as an NDJSON stream of `FsEvent`. The inotify instance (and with
+//! it every watch) goes away when the client does.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use moat_api::{FsEvent, FsEventKind, WatchQuery, NDJSON};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+
+use crate::fsops::resolve;
+use crate::http::{ndjson_line, now_us, parse_query, streamed, ApiError, HandlerResult};
+
+/// Most watches one stream may add (recursive watches of huge trees stop there).
+const MAX_WATCHES: usize = 8192;
+
+struct Ino(Inotify);
+
+impl AsRawFd for Ino {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+fn mask() -> AddWatchFlags {
+    AddWatchFlags::IN_CREATE
+        | AddWatchFlags::IN_MODIFY
+        | AddWatchFlags::IN_CLOSE_WRITE
+        | AddWatchFlags::IN_DELETE
+        | AddWatchFlags::IN_MOVED_FROM
+        | AddWatchFlags::IN_MOVED_TO
+        | AddWatchFlags::IN_ATTRIB
+        | AddWatchFlags::IN_DONT_FOLLOW
+}
+
+struct Watcher {
+    dirs: HashMap<WatchDescriptor, PathBuf>,
+    recursive: bool,
+}
+
+impl Watcher {
+    fn add(&mut self, ino: &Inotify, path: &Path) -> nix::Result<()> {
+        if self.dirs.len() >= MAX_WATCHES {
+            return Ok(());
+        }
+        let wd = ino.add_watch(path, mask())?;
+        self.dirs.insert(wd, path.to_path_buf());
+        Ok(())
+    }
+
+    /// Adds watches on every directory below `dir` (not following symlinks).
+    fn add_tree(&mut self, ino: &Inotify, dir: &Path) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in rd.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                let p = entry.path();
+                if self.add(ino, &p).is_ok() {
+                    self.add_tree(ino, &p);
+                }
+            }
+        }
+    }
+
+    /// Turns raw events into API events (and follows new subdirectories when recursive).
+    fn translate(
+        &mut self,
+        ino: &Inotify,
+        events: Vec<nix::sys::inotify::InotifyEvent>,
+    ) -> Vec<FsEvent> {
+        let mut out = Vec::new();
+        for ev in events {
+            if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
+                self.dirs.remove(&ev.wd);
+                continue;
+            }
+            let Some(base) = self.dirs.get(&ev.wd) else {
+                continue;
+            };
+            let path = match &ev.name {
+                Some(n) if !n.is_empty() => base.join(n),
+                _ => base.clone(),
+            };
+            let m = ev.mask;
+            let kind = if m.contains(AddWatchFlags::IN_CREATE) {
+                FsEventKind::Create
+            } else if m.intersects(AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE) {
+                FsEventKind::Write
+            } else if m.contains(AddWatchFlags::IN_DELETE) {
+                FsEventKind::Remove
+            } else if m.intersects(AddWatchFlags::IN_MOVED_FROM | AddWatchFlags::IN_MOVED_TO) {
+                FsEventKind::Rename
+            } else if m.contains(AddWatchFlags::IN_ATTRIB) {
+                FsEventKind::Chmod
+            } else {
+                continue;
+            };
+            let new_dir = m.contains(AddWatchFlags::IN_ISDIR)
+                && m.intersects(AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO);
+            if self.recursive && new_dir && self.add(ino, &path).is_ok() {
+                self.add_tree(ino, &path);
+            }
+            out.push(FsEvent {
+                kind,
+                path: path.display().to_string(),
+                timestamp_us: now_us(),
+            });
+        }
+        out
+    }
+}
+
+/// `GET /fs/watch?path=&recursive=`
+pub fn watch(query: Option<&str>) -> HandlerResult {
+    let q: WatchQuery = parse_query(query)?;
+    let path = resolve(&q.path, "path")?;
+    let shown = path.display().to_string();
+    let meta = std::fs::symlink_metadata(&path).map_err(|e| ApiError::io(&shown, &e))?;
+    let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+        .map_err(|e| ApiError::internal(format!("inotify: {e}")))?;
+    let mut w = Watcher {
+        dirs: HashMap::new(),
+        recursive: q.recursive.unwrap_or(false),
+    };
+    w.add(&ino, &path)
+        .map_err(|e| ApiError::io(&shown, &std::io::Error::from(e)))?;
+    if w.recursive && meta.is_dir() {
+        w.add_tree(&ino, &path);
+    }
+    // SAFETY: `Ino` owns the inotify fd and keeps it open for as long as the AsyncFd exists.
+    let afd = unsafe { AsyncFd::register_with_interest(Ino(ino), tokio::io::Interest::READABLE) }
+        .map_err(|e| ApiError::internal(format!("inotify registration: {e}")))?;
+    let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(64);
+    tokio::spawn(async move {
+        loop {
+            let mut guard = tokio::select! {
+                g = afd.readable() => match g { Ok(g) => g, Err(_) => return },
+                _ = tx.closed() => return,
+            };
+            let events = match guard.try_io(|inner| {
+                inner
+                    .get_ref()
+                    .0
+                    .read_events()
+                    .map_err(std::io::Error::from)
+            }) {
+                Ok(Ok(evs)) => evs,
+                Ok(Err(e)) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+                Err(_would_block) => continue,
+            };
+            for ev in w.translate(&afd.get_ref().0, events) {
+                if tx.send(Ok(ndjson_line(&ev))).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(streamed(NDJSON, rx, None))
+}

@@ -1,0 +1,116 @@
+//! The daemon's side of the host↔agent protocol: HTTP/2 (prior knowledge) over one byte stream that the
+//! sandbox's tier provides. One connection per sandbox carries every request as its own stream, with
+//! HTTP/2 flow control bounding what is in flight, so a flood of output never piles up in the daemon.
+//!
+//! The agent runs inside the sandbox and is as untrusted as the code there: its answers are only ever
+//! passed back to the owner of that sandbox, and hyper bounds header sizes and frame lengths.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use axum::body::Body;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::Mutex;
+
+use crate::tier::{AgentStream, IsolationTier};
+
+/// A lazily (re)connected HTTP/2 client to one sandbox's agent.
+pub struct AgentClient {
+    id: String,
+    tier: Arc<dyn IsolationTier>,
+    tier_state: serde_json::Value,
+    sender: Mutex<Option<SendRequest<Body>>>,
+}
+
+impl AgentClient {
+    pub fn new(id: String, tier: Arc<dyn IsolationTier>, tier_state: serde_json::Value) -> AgentClient {
+        AgentClient {
+            id,
+            tier,
+            tier_state,
+            sender: Mutex::new(None),
+        }
+    }
+
+    async fn sender(&self) -> Result<SendRequest<Body>> {
+        let mut guard = self.sender.lock().await;
+        if let Some(s) = guard.as_ref() {
+            if !s.is_closed() {
+                return Ok(s.clone());
+            }
+        }
+        let stream: AgentStream = self.tier.connect(&self.id, &self.tier_state).await?;
+        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(1 << 20)
+            .initial_connection_window_size(4 << 20)
+            .max_frame_size(1 << 16)
+            .keep_alive_interval(None)
+            .handshake(TokioIo::new(stream))
+            .await
+            .context("HTTP/2 handshake with the agent")?;
+        let id = self.id.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(sandbox = %id, "agent connection ended: {e}");
+            }
+        });
+        *guard = Some(sender.clone());
+        Ok(sender)
+    }
+
+    /// Sends a request to the agent. `path_and_query` starts with `/`.
+    pub async fn send(&self, method: http::Method, path_and_query: &str, content_type: Option<&str>, body: Body) -> Result<Response<Incoming>> {
+        let mut sender = self.sender().await?;
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("http://agent{path_and_query}"));
+        if let Some(ct) = content_type {
+            b = b.header(http::header::CONTENT_TYPE, ct);
+        }
+        let req = b.body(body).context("build agent request")?;
+        sender.ready().await.context("agent connection")?;
+        sender.send_request(req).await.map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
+    }
+
+    /// GETs JSON from the agent.
+    pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
+        use http_body_util::BodyExt;
+        let resp = self.send(http::Method::GET, path, None, Body::empty()).await?;
+        let status = resp.status();
+        let limited = http_body_util::Limited::new(resp.into_body(), 1 << 20);
+        let bytes = limited.collect().await.map_err(|e| anyhow!("read agent answer: {e}"))?.to_bytes();
+        if !status.is_success() {
+            bail!("agent answered {status} to {path}: {}", String::from_utf8_lossy(&bytes));
+        }
+        serde_json::from_slice(&bytes).with_context(|| format!("decode agent answer to {path}"))
+    }
+
+    /// Waits until the agent answers `/health` with the protocol version this daemon speaks.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        #[derive(serde::Deserialize)]
+        struct AgentHealth {
+            protocol: u32,
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = anyhow!("agent did not answer");
+        while tokio::time::Instant::now() < deadline {
+            match tokio::time::timeout(Duration::from_secs(2), self.get_json::<AgentHealth>("/health")).await {
+                Ok(Ok(h)) if h.protocol == moat_api::AGENT_PROTOCOL_VERSION => return Ok(()),
+                Ok(Ok(h)) => bail!(
+                    "agent speaks protocol {} but the daemon speaks {}",
+                    h.protocol,
+                    moat_api::AGENT_PROTOCOL_VERSION
+                ),
+                Ok(Err(e)) => last = e,
+                Err(_) => last = anyhow!("agent health check timed out"),
+            }
+            *self.sender.lock().await = None;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Err(last.context(format!("agent of {} not ready after {timeout:?}", self.id)))
+    }
+}

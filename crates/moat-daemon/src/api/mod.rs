@@ -1,0 +1,180 @@
+//! The REST API: routing, API-key auth, the OpenAPI document and the error fallbacks.
+
+mod proxy;
+mod sandboxes;
+mod templates;
+mod ws;
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use moat_api::ErrorCode;
+use utoipa::OpenApi;
+
+use crate::error::ApiError;
+use crate::sandboxes::Sandboxes;
+
+pub struct AppState {
+    pub sandboxes: Arc<Sandboxes>,
+    pub api_key: String,
+}
+
+pub type St = State<Arc<AppState>>;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "moat", description = "Self-hosted sandboxes for AI agents: isolated Linux machines driven over REST."),
+    paths(
+        health,
+        sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
+        proxy::start_process, proxy::list_processes, proxy::process_events, proxy::process_stdin,
+        proxy::process_close_stdin, proxy::process_signal, proxy::process_resize,
+        proxy::read_file, proxy::write_file, proxy::stat, proxy::exists, proxy::list_dir, proxy::mkdir,
+        proxy::rename, proxy::remove, proxy::download_tar, proxy::upload_tar, proxy::watch,
+        ws::process_ws,
+        templates::list, templates::get, templates::register, templates::build, templates::delete,
+    ),
+    components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent)),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "sandboxes", description = "Sandbox lifecycle"),
+        (name = "processes", description = "Commands, background processes, stdin, signals and PTYs"),
+        (name = "files", description = "The sandbox's filesystem"),
+        (name = "templates", description = "Root filesystems sandboxes start from"),
+    )
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        openapi.security = Some(vec![SecurityRequirement::new("api_key", Vec::<String>::new())]);
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route("/v1/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/processes", post(proxy::start_process).get(proxy::list_processes))
+        .route("/v1/sandboxes/{id}/processes/{process}/events", get(proxy::process_events))
+        .route("/v1/sandboxes/{id}/processes/{process}/stdin", post(proxy::process_stdin))
+        .route("/v1/sandboxes/{id}/processes/{process}/close-stdin", post(proxy::process_close_stdin))
+        .route("/v1/sandboxes/{id}/processes/{process}/signal", post(proxy::process_signal))
+        .route("/v1/sandboxes/{id}/processes/{process}/resize", post(proxy::process_resize))
+        .route("/v1/sandboxes/{id}/processes/{process}/ws", get(ws::process_ws))
+        .route("/v1/sandboxes/{id}/files", get(proxy::read_file).put(proxy::write_file))
+        .route("/v1/sandboxes/{id}/fs/stat", get(proxy::stat))
+        .route("/v1/sandboxes/{id}/fs/exists", get(proxy::exists))
+        .route("/v1/sandboxes/{id}/fs/list", get(proxy::list_dir))
+        .route("/v1/sandboxes/{id}/fs/mkdir", post(proxy::mkdir))
+        .route("/v1/sandboxes/{id}/fs/rename", post(proxy::rename))
+        .route("/v1/sandboxes/{id}/fs", delete(proxy::remove))
+        .route("/v1/sandboxes/{id}/fs/tar", get(proxy::download_tar).put(proxy::upload_tar))
+        .route("/v1/sandboxes/{id}/fs/watch", get(proxy::watch))
+        .route("/v1/templates", get(templates::list).post(templates::register))
+        .route("/v1/templates/{name}", get(templates::get).delete(templates::delete))
+        .route("/v1/templates/{name}/build", post(templates::build))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/healthz", get(health))
+        .route("/openapi.json", get(openapi))
+        .merge(v1)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn auth(State(st): St, req: Request, next: Next) -> Response {
+    let h = req.headers();
+    let given = h
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
+    match given {
+        Some(k) if constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes()) => next.run(req).await,
+        Some(_) => ApiError::new(ErrorCode::Unauthorized, "wrong API key").into_response(),
+        None => ApiError::new(
+            ErrorCode::Unauthorized,
+            "missing API key: send 'Authorization: Bearer <key>' (the key is in the daemon's data dir, file api-key)",
+        )
+        .into_response(),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Liveness and what this host offers.
+#[utoipa::path(get, path = "/healthz", security(()), responses((status = 200, body = moat_api::Health)))]
+async fn health(State(st): St) -> Json<moat_api::Health> {
+    Json(moat_api::Health {
+        status: "ok".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        tiers: st.sandboxes.tier_infos(),
+    })
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(ErrorCode::NotFound, format!("no such endpoint: {} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    let mut r = ApiError::new(
+        ErrorCode::InvalidArgument,
+        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+    )
+    .into_response();
+    *r.status_mut() = http::StatusCode::METHOD_NOT_ALLOWED;
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openapi_document_lists_the_endpoints() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let paths = doc["paths"].as_object().unwrap();
+        for p in [
+            "/v1/sandboxes",
+            "/v1/sandboxes/{id}",
+            "/v1/sandboxes/{id}/processes",
+            "/v1/sandboxes/{id}/files",
+            "/v1/sandboxes/{id}/fs/watch",
+            "/v1/templates/{name}/build",
+        ] {
+            assert!(paths.contains_key(p), "missing {p}");
+        }
+        assert!(doc["components"]["schemas"]["CreateSandboxRequest"].is_object());
+    }
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

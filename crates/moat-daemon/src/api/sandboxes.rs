@@ -1,0 +1,75 @@
+//! `/v1/sandboxes`: lifecycle endpoints.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Path, Request, State};
+use axum::http::StatusCode;
+use axum::Json;
+use moat_api::{CreateSandboxRequest, Sandbox, SandboxList, SandboxState, SetTimeoutRequest};
+
+use super::St;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{query_values, JsonBody};
+use crate::sandboxes::ListFilter;
+
+/// Create a sandbox.
+#[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 201, body = Sandbox), (status = 400, body = moat_api::ErrorBody),
+              (status = 404, description = "unknown template", body = moat_api::ErrorBody),
+              (status = 413, body = moat_api::ErrorBody)))]
+pub async fn create(State(st): St, JsonBody(req): JsonBody<CreateSandboxRequest>) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+    let sbx = st.sandboxes.create(req).await?;
+    Ok((StatusCode::CREATED, Json(sbx)))
+}
+
+/// List sandboxes, optionally filtered by state and metadata labels.
+#[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes",
+    params(("state" = Option<String>, Query, description = "starting | running | paused | stopping"),
+           ("metadata" = Option<Vec<String>>, Query, description = "key=value; repeat for more (all must match)")),
+    responses((status = 200, body = SandboxList), (status = 400, body = moat_api::ErrorBody)))]
+pub async fn list(State(st): St, req: Request) -> ApiResult<Json<SandboxList>> {
+    let q = req.uri().query();
+    let mut filter = ListFilter::default();
+    for (k, _) in form_urlencoded::parse(q.unwrap_or("").as_bytes()) {
+        if k != "state" && k != "metadata" {
+            return Err(ApiError::invalid(&k, format!("unknown query parameter {k:?} (state, metadata)")));
+        }
+    }
+    if let Some(s) = query_values(q, "state").last() {
+        filter.state = Some(s.parse::<SandboxState>().map_err(|m| ApiError::invalid("state", m))?);
+    }
+    let mut md = BTreeMap::new();
+    for kv in query_values(q, "metadata") {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| ApiError::invalid("metadata", format!("metadata filter {kv:?} must be key=value")))?;
+        md.insert(k.to_string(), v.to_string());
+    }
+    filter.metadata = md;
+    Ok(Json(SandboxList {
+        sandboxes: st.sandboxes.list(&filter)?,
+    }))
+}
+
+/// Get one sandbox.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = Sandbox), (status = 404, body = moat_api::ErrorBody)))]
+pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(st.sandboxes.get(&id)?))
+}
+
+/// Kill a sandbox and remove everything it had.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 204), (status = 404, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
+pub async fn delete(State(st): St, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    st.sandboxes.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Set the sandbox to expire `timeout` seconds from now.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", params(("id" = String, Path)),
+    request_body = SetTimeoutRequest,
+    responses((status = 200, body = Sandbox), (status = 400, body = moat_api::ErrorBody), (status = 404, body = moat_api::ErrorBody)))]
+pub async fn set_timeout(State(st): St, Path(id): Path<String>, JsonBody(req): JsonBody<SetTimeoutRequest>) -> ApiResult<Json<Sandbox>> {
+    Ok(Json(st.sandboxes.set_timeout(&id, req.timeout)?))
+}

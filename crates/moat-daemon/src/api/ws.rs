@@ -1,0 +1,197 @@
+//! `GET /v1/sandboxes/{id}/processes/{process}/ws`: a process (usually a PTY) over a WebSocket.
+//!
+//! Server → client: binary messages carry output bytes; text messages carry the `start`, `dropped` and
+//! `exit` events as JSON. Client → server: binary messages are stdin; text messages are controls:
+//! `{"type":"resize","cols","rows"}`, `{"type":"signal","signal"}`, `{"type":"close_stdin"}`.
+//! Closing the socket detaches; the process keeps running and can be re-attached.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::Path;
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use futures::{SinkExt, StreamExt};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use moat_api::{ProcessEvent, ProcessSelector};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+use super::St;
+use crate::agent::AgentClient;
+use crate::error::{ApiError, ApiResult};
+
+/// Longest NDJSON line accepted from an agent (a bound on what a hostile agent can make us hold).
+const MAX_LINE: usize = 16 << 20;
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Control {
+    Resize { cols: u16, rows: u16 },
+    Signal { signal: String },
+    CloseStdin,
+}
+
+/// Attach to a process over a WebSocket (PTY use: `moat shell`).
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/processes/{process}/ws", tag = "processes",
+    params(("id" = String, Path), ("process" = String, Path, description = "pid or tag")),
+    responses((status = 101, description = "WebSocket: binary = output/stdin bytes, text = JSON events/controls"),
+              (status = 404, body = moat_api::ErrorBody)))]
+pub async fn process_ws(st: St, Path((id, process)): Path<(String, String)>, ws: WebSocketUpgrade) -> ApiResult<Response> {
+    let sel = ProcessSelector::parse(&process).map_err(|m| ApiError::invalid("process", m))?;
+    let agent = st.sandboxes.agent(&id).await?;
+    let resp = agent
+        .send(http::Method::GET, &format!("/processes/{sel}/events?replay=true"), None, Body::empty())
+        .await
+        .map_err(|e| ApiError::internal(format!("sandbox {id}: agent unreachable: {e:#}")))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        return Ok(Response::builder()
+            .status(status)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Body::from(bytes))
+            .map_err(ApiError::internal)?);
+    }
+    let events = resp.into_body();
+    Ok(ws.on_upgrade(move |socket| bridge(socket, agent, sel.to_string(), events)).into_response())
+}
+
+async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events: Incoming) {
+    let (mut sink, mut stream) = socket.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<Message>(16);
+
+    // Agent events → WebSocket messages.
+    let out_task = tokio::spawn(async move {
+        let mut lines = NdjsonLines::new(events);
+        while let Some(line) = lines.next().await {
+            let Ok(ev) = serde_json::from_slice::<ProcessEvent>(&line) else {
+                continue;
+            };
+            let (msg, last) = match &ev {
+                ProcessEvent::Stdout(c) | ProcessEvent::Stderr(c) | ProcessEvent::Pty(c) => {
+                    let bytes = match (&c.data, &c.data_b64) {
+                        (Some(d), _) => d.as_bytes().to_vec(),
+                        (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).unwrap_or_default(),
+                        _ => Vec::new(),
+                    };
+                    (Message::Binary(bytes.into()), false)
+                }
+                ProcessEvent::Exit(_) => (Message::Text(String::from_utf8_lossy(&line).into_owned().into()), true),
+                _ => (Message::Text(String::from_utf8_lossy(&line).into_owned().into()), false),
+            };
+            if out_tx.send(msg).await.is_err() || last {
+                break;
+            }
+        }
+    });
+
+    // Stdin is one long streaming request to the agent, opened on the first input.
+    let mut stdin_tx: Option<mpsc::Sender<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>> = None;
+    loop {
+        tokio::select! {
+            msg = out_rx.recv() => {
+                let Some(msg) = msg else { break };
+                let is_exit = matches!(&msg, Message::Text(t) if t.contains("\"type\":\"exit\""));
+                if sink.send(msg).await.is_err() {
+                    break;
+                }
+                if is_exit {
+                    let _ = sink.send(Message::Close(None)).await;
+                    break;
+                }
+            }
+            incoming = stream.next() => {
+                match incoming {
+                    Some(Ok(Message::Binary(b))) => {
+                        if stdin_tx.is_none() {
+                            let (tx, rx) = mpsc::channel(16);
+                            let body = Body::new(http_body_util::StreamBody::new(ReceiverStream(rx)));
+                            let agent = agent.clone();
+                            let path = format!("/processes/{sel}/stdin");
+                            tokio::spawn(async move {
+                                let _ = agent.send(http::Method::POST, &path, Some("application/octet-stream"), body).await;
+                            });
+                            stdin_tx = Some(tx);
+                        }
+                        if let Some(tx) = &stdin_tx {
+                            let _ = tx.send(Ok(hyper::body::Frame::data(b))).await;
+                        }
+                    }
+                    Some(Ok(Message::Text(t))) => {
+                        let (path, body) = match serde_json::from_str::<Control>(&t) {
+                            Ok(Control::Resize { cols, rows }) => ("resize", serde_json::json!({"cols": cols, "rows": rows})),
+                            Ok(Control::Signal { signal }) => ("signal", serde_json::json!({"signal": signal})),
+                            Ok(Control::CloseStdin) => {
+                                stdin_tx = None;
+                                ("close-stdin", serde_json::Value::Null)
+                            }
+                            Err(e) => {
+                                let err = serde_json::json!({"type": "error", "message": format!("bad control message: {e}")});
+                                let _ = sink.send(Message::Text(err.to_string().into())).await;
+                                continue;
+                            }
+                        };
+                        let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
+                        let _ = agent
+                            .send(http::Method::POST, &format!("/processes/{sel}/{path}"), Some("application/json"), body)
+                            .await;
+                    }
+                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                    Some(Ok(_)) => {}
+                }
+            }
+        }
+    }
+    out_task.abort();
+}
+
+struct ReceiverStream<T>(mpsc::Receiver<T>);
+
+impl<T> futures::Stream for ReceiverStream<T> {
+    type Item = T;
+    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// Splits a streamed body into lines, holding at most one line (bounded by `MAX_LINE`).
+struct NdjsonLines {
+    body: Incoming,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl NdjsonLines {
+    fn new(body: Incoming) -> NdjsonLines {
+        NdjsonLines { body, buf: Vec::new(), done: false }
+    }
+
+    async fn next(&mut self) -> Option<Vec<u8>> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                let rest = self.buf.split_off(i + 1);
+                let mut line = std::mem::replace(&mut self.buf, rest);
+                line.pop();
+                return Some(line);
+            }
+            if self.done || self.buf.len() > MAX_LINE {
+                return None;
+            }
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                    }
+                }
+                _ => self.done = true,
+            }
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! The daemon's state, all of it, in one SQLite database (`<data_dir>/moat.db`), with migrations keyed
+//! on `PRAGMA user_version`. Nothing the daemon needs after a restart lives only in memory.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use anyhow::{Context, Result};
+use moat_api::{Isolation, SandboxState, TemplateSource, TemplateStatus};
+use rusqlite::{params, Connection, OptionalExtension, Row};
+
+const MIGRATIONS: &[&str] = &[
+    // 1: sandboxes and templates.
+    "CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        template TEXT NOT NULL,
+        isolation TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at_ms INTEGER NOT NULL,
+        expires_at_ms INTEGER NOT NULL,
+        metadata TEXT NOT NULL,
+        env TEXT NOT NULL,
+        cpu REAL NOT NULL,
+        memory_mb INTEGER NOT NULL,
+        hostname TEXT NOT NULL,
+        slot INTEGER NOT NULL UNIQUE,
+        tier_state TEXT
+    );
+    CREATE TABLE templates (
+        name TEXT PRIMARY KEY,
+        source TEXT NOT NULL,
+        status TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        created_at_ms INTEGER NOT NULL,
+        error TEXT
+    );",
+];
+
+/// A sandbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub isolation: Isolation,
+    pub state: SandboxState,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub metadata: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
+    pub cpu: f64,
+    pub memory_mb: u64,
+    pub hostname: String,
+    pub slot: u32,
+    pub tier_state: Option<serde_json::Value>,
+}
+
+/// A template row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateRecord {
+    pub name: String,
+    pub source: TemplateSource,
+    pub status: TemplateStatus,
+    pub size_bytes: u64,
+    pub created_at_ms: i64,
+    pub error: Option<String>,
+}
+
+pub struct Db {
+    conn: Mutex<Connection>,
+}
+
+fn enum_str<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+fn parse_enum<T: serde::de::DeserializeOwned>(s: &str) -> rusqlite::Result<T> {
+    serde_json::from_value(serde_json::Value::String(s.to_string()))
+        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e)))
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(s: &str) -> rusqlite::Result<T> {
+    serde_json::from_str(s).map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e)))
+}
+
+fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
+    let tier_state: Option<String> = r.get("tier_state")?;
+    Ok(SandboxRecord {
+        id: r.get("id")?,
+        template: r.get("template")?,
+        isolation: parse_enum(&r.get::<_, String>("isolation")?)?,
+        state: parse_enum(&r.get::<_, String>("state")?)?,
+        created_at_ms: r.get("created_at_ms")?,
+        expires_at_ms: r.get("expires_at_ms")?,
+        metadata: parse_json(&r.get::<_, String>("metadata")?)?,
+        env: parse_json(&r.get::<_, String>("env")?)?,
+        cpu: r.get("cpu")?,
+        memory_mb: r.get::<_, i64>("memory_mb")? as u64,
+        hostname: r.get("hostname")?,
+        slot: r.get::<_, i64>("slot")? as u32,
+        tier_state: tier_state.map(|s| parse_json(&s)).transpose()?,
+    })
+}
+
+fn template_from_row(r: &Row<'_>) -> rusqlite::Result<TemplateRecord> {
+    Ok(TemplateRecord {
+        name: r.get("name")?,
+        source: parse_enum(&r.get::<_, String>("source")?)?,
+        status: parse_enum(&r.get::<_, String>("status")?)?,
+        size_bytes: r.get::<_, i64>("size_bytes")? as u64,
+        created_at_ms: r.get("created_at_ms")?,
+        error: r.get("error")?,
+    })
+}
+
+impl Db {
+    pub fn open(path: &Path) -> Result<Db> {
+        let conn = Connection::open(path).with_context(|| format!("open {}", path.display()))?;
+        Self::init(conn)
+    }
+
+    pub fn open_in_memory() -> Result<Db> {
+        Self::init(Connection::open_in_memory()?)
+    }
+
+    fn init(mut conn: Connection) -> Result<Db> {
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        let tx = conn.transaction()?;
+        for (i, m) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            tx.execute_batch(m).with_context(|| format!("migration {}", i + 1))?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+        }
+        tx.commit()?;
+        Ok(Db { conn: Mutex::new(conn) })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
+        let conn = self.conn.lock().map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        f(&conn).map_err(Into::into)
+    }
+
+    /// Inserts a new sandbox, choosing the lowest free uid slot below `max_slots`.
+    pub fn insert_sandbox(&self, rec: &mut SandboxRecord, max_slots: u32) -> Result<()> {
+        let mut conn = self.conn.lock().map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let tx = conn.transaction()?;
+        let slot: Option<i64> = tx
+            .query_row(
+                "WITH RECURSIVE n(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM n WHERE x + 1 < ?1)
+                 SELECT x FROM n WHERE x NOT IN (SELECT slot FROM sandboxes) LIMIT 1",
+                [max_slots],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let slot = slot.ok_or_else(|| anyhow::anyhow!("all {max_slots} sandbox slots are in use"))?;
+        rec.slot = slot as u32;
+        tx.execute(
+            "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
+                                    cpu, memory_mb, hostname, slot, tier_state)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+            params![
+                rec.id,
+                rec.template,
+                enum_str(&rec.isolation),
+                enum_str(&rec.state),
+                rec.created_at_ms,
+                rec.expires_at_ms,
+                serde_json::to_string(&rec.metadata)?,
+                serde_json::to_string(&rec.env)?,
+                rec.cpu,
+                rec.memory_mb as i64,
+                rec.hostname,
+                rec.slot as i64,
+                rec.tier_state.as_ref().map(|v| v.to_string()),
+            ],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        self.with(|c| c.query_row("SELECT * FROM sandboxes WHERE id = ?1", [id], sandbox_from_row).optional())
+    }
+
+    pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT * FROM sandboxes ORDER BY created_at_ms, id")?;
+            let rows = st.query_map([], sandbox_from_row)?;
+            rows.collect()
+        })
+    }
+
+    pub fn set_state(&self, id: &str, state: SandboxState) -> Result<()> {
+        self.with(|c| c.execute("UPDATE sandboxes SET state = ?2 WHERE id = ?1", params![id, enum_str(&state)]))?;
+        Ok(())
+    }
+
+    pub fn set_tier_state(&self, id: &str, state: SandboxState, tier_state: &serde_json::Value) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET state = ?2, tier_state = ?3 WHERE id = ?1",
+                params![id, enum_str(&state), tier_state.to_string()],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn set_expiry(&self, id: &str, expires_at_ms: i64) -> Result<()> {
+        self.with(|c| c.execute("UPDATE sandboxes SET expires_at_ms = ?2 WHERE id = ?1", params![id, expires_at_ms]))?;
+        Ok(())
+    }
+
+    /// Ids of sandboxes whose expiry is at or before `now_ms`.
+    pub fn expired(&self, now_ms: i64) -> Result<Vec<String>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping'")?;
+            let rows = st.query_map([now_ms], |r| r.get(0))?;
+            rows.collect()
+        })
+    }
+
+    pub fn delete_sandbox(&self, id: &str) -> Result<()> {
+        self.with(|c| c.execute("DELETE FROM sandboxes WHERE id = ?1", [id]))?;
+        Ok(())
+    }
+
+    pub fn upsert_template(&self, t: &TemplateRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO templates (name, source, status, size_bytes, created_at_ms, error)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT(name) DO UPDATE SET source = ?2, status = ?3, size_bytes = ?4, created_at_ms = ?5, error = ?6",
+                params![t.name, enum_str(&t.source), enum_str(&t.status), t.size_bytes as i64, t.created_at_ms, t.error],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn get_template(&self, name: &str) -> Result<Option<TemplateRecord>> {
+        self.with(|c| c.query_row("SELECT * FROM templates WHERE name = ?1", [name], template_from_row).optional())
+    }
+
+    pub fn list_templates(&self) -> Result<Vec<TemplateRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT * FROM templates ORDER BY name")?;
+            let rows = st.query_map([], template_from_row)?;
+            rows.collect()
+        })
+    }
+
+    pub fn delete_template(&self, name: &str) -> Result<()> {
+        self.with(|c| c.execute("DELETE FROM templates WHERE name = ?1", [name]))?;
+        Ok(())
+    }
+
+    /// Number of sandboxes using a template.
+    pub fn template_users(&self, name: &str) -> Result<u64> {
+        self.with(|c| c.query_row("SELECT COUNT(*) FROM sandboxes WHERE template = ?1", [name], |r| r.get::<_, i64>(0)))
+            .map(|n| n as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            template: "base".into(),
+            isolation: Isolation::Container,
+            state: SandboxState::Starting,
+            created_at_ms: 1,
+            expires_at_ms: 100,
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            env: BTreeMap::new(),
+            cpu: 1.0,
+            memory_mb: 512,
+            hostname: "h".into(),
+            slot: 0,
+            tier_state: None,
+        }
+    }
+
+    #[test]
+    fn slots_are_reused_and_bounded() {
+        let db = Db::open_in_memory().unwrap();
+        let mut a = rec("a");
+        let mut b = rec("b");
+        db.insert_sandbox(&mut a, 2).unwrap();
+        db.insert_sandbox(&mut b, 2).unwrap();
+        assert_eq!((a.slot, b.slot), (0, 1));
+        assert!(db.insert_sandbox(&mut rec("c"), 2).is_err());
+        db.delete_sandbox("a").unwrap();
+        let mut c = rec("c");
+        db.insert_sandbox(&mut c, 2).unwrap();
+        assert_eq!(c.slot, 0);
+    }
+
+    #[test]
+    fn round_trip_and_expiry() {
+        let db = Db::open_in_memory().unwrap();
+        let mut a = rec("a");
+        db.insert_sandbox(&mut a, 8).unwrap();
+        db.set_tier_state("a", SandboxState::Running, &serde_json::json!({"pid": 5})).unwrap();
+        let got = db.get_sandbox("a").unwrap().unwrap();
+        assert_eq!(got.state, SandboxState::Running);
+        assert_eq!(got.tier_state, Some(serde_json::json!({"pid": 5})));
+        assert_eq!(got.metadata.get("k").map(String::as_str), Some("v"));
+        assert_eq!(db.expired(99).unwrap(), Vec::<String>::new());
+        assert_eq!(db.expired(100).unwrap(), vec!["a".to_string()]);
+        db.set_expiry("a", 500).unwrap();
+        assert!(db.expired(100).unwrap().is_empty());
+    }
+
+    #[test]
+    fn reopen_keeps_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.db");
+        {
+            let db = Db::open(&p).unwrap();
+            db.insert_sandbox(&mut rec("a"), 8).unwrap();
+        }
+        let db = Db::open(&p).unwrap();
+        assert_eq!(db.list_sandboxes().unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,72 @@
+//! API errors: every failure becomes an HTTP status with `{"error": {"code", "message", "field"?}}`.
+
+use axum::response::{IntoResponse, Response};
+use moat_api::{ErrorBody, ErrorCode};
+
+#[derive(Debug)]
+pub struct ApiError(pub ErrorBody);
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError(ErrorBody::new(code, message))
+    }
+
+    pub fn invalid(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError(ErrorBody::new(ErrorCode::InvalidArgument, message).with_field(field))
+    }
+
+    pub fn not_found(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError(ErrorBody::new(ErrorCode::NotFound, message).with_field(field))
+    }
+
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::Conflict, message)
+    }
+
+    pub fn internal(err: impl std::fmt::Display) -> ApiError {
+        ApiError::new(ErrorCode::Internal, err.to_string())
+    }
+}
+
+impl From<anyhow::Error> for ApiError {
+    fn from(e: anyhow::Error) -> ApiError {
+        tracing::error!("{e:#}");
+        ApiError::new(ErrorCode::Internal, format!("{e:#}"))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = http::StatusCode::from_u16(self.0.error.code.status()).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+        (status, axum::Json(self.0)).into_response()
+    }
+}
+
+/// Turns a serde error (with its path) into a 400 naming the field.
+pub fn from_serde_path(err: serde_path_to_error::Error<impl std::fmt::Display>, what: &str) -> ApiError {
+    let path = err.path().to_string();
+    let msg = err.inner().to_string();
+    // serde reports an unknown field at the enclosing object; the message names the field itself.
+    let field = match msg.split('`').nth(1) {
+        Some(f) if msg.starts_with("unknown field") => {
+            if path == "." || path.is_empty() {
+                f.to_string()
+            } else {
+                format!("{path}.{f}")
+            }
+        }
+        _ if path == "." || path.is_empty() => match msg.split('`').nth(1) {
+            Some(f) if msg.starts_with("missing field") => f.to_string(),
+            _ => String::new(),
+        },
+        _ => path,
+    };
+    let message = format!("invalid {what}: {msg}");
+    if field.is_empty() {
+        ApiError::new(ErrorCode::InvalidArgument, message)
+    } else {
+        ApiError::invalid(&field, message)
+    }
+}

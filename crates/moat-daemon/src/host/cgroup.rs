@@ -1,0 +1,320 @@
+//! Control groups: v1 (one hierarchy per controller) and v2 (unified) behind one interface.
+//!
+//! Every sandbox gets `moat/<name>` in each hierarchy the daemon uses. Limits are written at create;
+//! `kill_all` and `remove` tear the group down. The v2 file formats are unit-tested here because the
+//! development hosts run v1.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// Group every moat cgroup lives under, in each hierarchy.
+pub const PARENT: &str = "moat";
+
+const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"];
+
+/// Which cgroup layout the host has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CgroupLayout {
+    /// One directory per controller (`/sys/fs/cgroup/memory`, ...).
+    V1 { root: PathBuf },
+    /// One unified hierarchy.
+    V2 { root: PathBuf },
+}
+
+/// Limits applied to a group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// CPU cores (fractional).
+    pub cpu: f64,
+    /// Hard memory limit in bytes (swap is not allowed on top of it).
+    pub memory_bytes: u64,
+    /// Largest number of tasks.
+    pub pids: u64,
+}
+
+/// CFS period used for CPU quotas, in microseconds.
+const CPU_PERIOD_US: u64 = 100_000;
+
+impl CgroupLayout {
+    /// Detects the layout of the cgroup mount at `/sys/fs/cgroup`.
+    pub fn detect() -> Result<CgroupLayout> {
+        let root = PathBuf::from("/sys/fs/cgroup");
+        let fs = nix::sys::statfs::statfs(&root).context("statfs /sys/fs/cgroup")?;
+        if fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC {
+            Ok(CgroupLayout::V2 { root })
+        } else if root.join("memory").is_dir() {
+            Ok(CgroupLayout::V1 { root })
+        } else {
+            bail!("no usable cgroup hierarchy at /sys/fs/cgroup (neither cgroup2 nor a v1 memory controller)")
+        }
+    }
+
+    pub fn is_v2(&self) -> bool {
+        matches!(self, CgroupLayout::V2 { .. })
+    }
+
+    /// Directories of the group `name` (one per hierarchy; v1 hierarchies mounted together are listed once).
+    pub fn dirs(&self, name: &str) -> Vec<PathBuf> {
+        match self {
+            CgroupLayout::V2 { root } => vec![root.join(PARENT).join(name)],
+            CgroupLayout::V1 { root } => {
+                let mut seen: Vec<PathBuf> = Vec::new();
+                let mut out = Vec::new();
+                for c in V1_CONTROLLERS {
+                    let base = root.join(c);
+                    if !base.is_dir() {
+                        continue;
+                    }
+                    let real = std::fs::canonicalize(&base).unwrap_or(base.clone());
+                    if seen.contains(&real) {
+                        continue;
+                    }
+                    seen.push(real);
+                    out.push(base.join(PARENT).join(name));
+                }
+                out
+            }
+        }
+    }
+
+    /// Names of all groups under `moat/` in any hierarchy.
+    pub fn list(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for parent in self.parents() {
+            if let Ok(rd) = std::fs::read_dir(&parent) {
+                for e in rd.flatten() {
+                    if e.path().is_dir() {
+                        if let Some(n) = e.file_name().to_str() {
+                            if !names.iter().any(|x: &String| x == n) {
+                                names.push(n.to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    fn parents(&self) -> Vec<PathBuf> {
+        self.dirs("x")
+            .into_iter()
+            .filter_map(|d| d.parent().map(Path::to_path_buf))
+            .collect()
+    }
+
+    /// Creates the group `name` with `limits`. Idempotent.
+    pub fn create(&self, name: &str, limits: &Limits) -> Result<()> {
+        if let CgroupLayout::V2 { root } = self {
+            let parent = root.join(PARENT);
+            std::fs::create_dir_all(&parent).with_context(|| format!("mkdir {}", parent.display()))?;
+            // Controllers must be enabled top-down for the leaf to get their files.
+            for dir in [root.clone(), parent.clone()] {
+                let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+cpu +memory +pids");
+            }
+        }
+        for dir in self.dirs(name) {
+            std::fs::create_dir_all(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
+        }
+        for (file, value) in self.limit_files(limits) {
+            let Some(path) = self.file_in(name, &file) else {
+                continue;
+            };
+            if path.exists() {
+                std::fs::write(&path, &value)
+                    .with_context(|| format!("write {value:?} to {}", path.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The files and values that express `limits` in this layout.
+    pub fn limit_files(&self, limits: &Limits) -> Vec<(String, String)> {
+        let quota = (limits.cpu * CPU_PERIOD_US as f64).round().max(1000.0) as u64;
+        match self {
+            CgroupLayout::V2 { .. } => vec![
+                ("cpu.max".into(), format!("{quota} {CPU_PERIOD_US}")),
+                ("memory.max".into(), limits.memory_bytes.to_string()),
+                ("memory.swap.max".into(), "0".into()),
+                ("pids.max".into(), limits.pids.to_string()),
+            ],
+            CgroupLayout::V1 { .. } => vec![
+                ("cpu.cfs_period_us".into(), CPU_PERIOD_US.to_string()),
+                ("cpu.cfs_quota_us".into(), quota.to_string()),
+                ("memory.limit_in_bytes".into(), limits.memory_bytes.to_string()),
+                // memsw = memory + swap; equal to the memory limit means no swap.
+                ("memory.memsw.limit_in_bytes".into(), limits.memory_bytes.to_string()),
+                ("pids.max".into(), limits.pids.to_string()),
+            ],
+        }
+    }
+
+    /// Path of a control file of group `name` (`memory.max`, `pids.max`, ...).
+    pub fn file_in(&self, name: &str, file: &str) -> Option<PathBuf> {
+        match self {
+            CgroupLayout::V2 { root } => Some(root.join(PARENT).join(name).join(file)),
+            CgroupLayout::V1 { root } => {
+                let controller = file.split('.').next()?;
+                Some(root.join(controller).join(PARENT).join(name).join(file))
+            }
+        }
+    }
+
+    /// Moves process `pid` (and so its future children) into the group.
+    pub fn add_process(&self, name: &str, pid: u32) -> Result<()> {
+        for dir in self.dirs(name) {
+            let f = dir.join("cgroup.procs");
+            std::fs::write(&f, pid.to_string())
+                .with_context(|| format!("add pid {pid} to {}", f.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Pids in the group (from the first hierarchy; every process is in all of them).
+    pub fn pids(&self, name: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        for dir in self.dirs(name) {
+            if let Ok(s) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+                for l in s.lines() {
+                    if let Ok(p) = l.trim().parse::<u32>() {
+                        if !out.contains(&p) {
+                            out.push(p);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// SIGKILLs every process in the group and waits (up to `wait`) until it is empty.
+    pub fn kill_all(&self, name: &str, wait: Duration) -> Result<()> {
+        let deadline = Instant::now() + wait;
+        if let CgroupLayout::V2 { .. } = self {
+            if let Some(f) = self.file_in(name, "cgroup.kill") {
+                let _ = std::fs::write(f, "1");
+            }
+        }
+        loop {
+            let pids = self.pids(name);
+            if pids.is_empty() {
+                return Ok(());
+            }
+            // A frozen group must be thawed for SIGKILL to be acted on.
+            self.set_frozen(name, false).ok();
+            for p in &pids {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            if Instant::now() > deadline {
+                bail!("cgroup {name} still has processes {pids:?} after SIGKILL");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Freezes or thaws the group (the freezer controller in v1, `cgroup.freeze` in v2).
+    pub fn set_frozen(&self, name: &str, frozen: bool) -> Result<()> {
+        let (file, value) = match self {
+            CgroupLayout::V2 { .. } => ("cgroup.freeze", if frozen { "1" } else { "0" }),
+            CgroupLayout::V1 { .. } => ("freezer.state", if frozen { "FROZEN" } else { "THAWED" }),
+        };
+        let Some(path) = self.file_in(name, file) else {
+            bail!("no {file} for {name}");
+        };
+        if !path.exists() {
+            return Ok(());
+        }
+        std::fs::write(&path, value).with_context(|| format!("write {value} to {}", path.display()))
+    }
+
+    /// Removes the group's directories (it must be empty: call `kill_all` first). Missing is fine.
+    pub fn remove(&self, name: &str) -> Result<()> {
+        let mut last_err = None;
+        for dir in self.dirs(name) {
+            for attempt in 0..50 {
+                match std::fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    // EBUSY while the kernel finishes releasing exited tasks.
+                    Err(e) if attempt < 49 => {
+                        let _ = e;
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(e) => last_err = Some(anyhow::anyhow!("rmdir {}: {e}", dir.display())),
+                }
+            }
+        }
+        match last_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether any directory of the group exists.
+    pub fn exists(&self, name: &str) -> bool {
+        self.dirs(name).iter().any(|d| d.exists())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            cpu: 0.5,
+            memory_bytes: 256 << 20,
+            pids: 1024,
+        }
+    }
+
+    #[test]
+    fn v2_files() {
+        let l = CgroupLayout::V2 {
+            root: "/sys/fs/cgroup".into(),
+        };
+        let files = l.limit_files(&limits());
+        assert!(files.contains(&("cpu.max".into(), "50000 100000".into())));
+        assert!(files.contains(&("memory.max".into(), "268435456".into())));
+        assert!(files.contains(&("memory.swap.max".into(), "0".into())));
+        assert!(files.contains(&("pids.max".into(), "1024".into())));
+        assert_eq!(
+            l.file_in("sbx", "memory.max").unwrap(),
+            PathBuf::from("/sys/fs/cgroup/moat/sbx/memory.max")
+        );
+        assert_eq!(l.dirs("sbx"), vec![PathBuf::from("/sys/fs/cgroup/moat/sbx")]);
+    }
+
+    #[test]
+    fn v1_files() {
+        let l = CgroupLayout::V1 {
+            root: "/sys/fs/cgroup".into(),
+        };
+        let files = l.limit_files(&limits());
+        assert!(files.contains(&("cpu.cfs_quota_us".into(), "50000".into())));
+        assert!(files.contains(&("memory.memsw.limit_in_bytes".into(), "268435456".into())));
+        assert_eq!(
+            l.file_in("sbx", "memory.limit_in_bytes").unwrap(),
+            PathBuf::from("/sys/fs/cgroup/memory/moat/sbx/memory.limit_in_bytes")
+        );
+        assert_eq!(
+            l.file_in("sbx", "freezer.state").unwrap(),
+            PathBuf::from("/sys/fs/cgroup/freezer/moat/sbx/freezer.state")
+        );
+    }
+
+    #[test]
+    fn tiny_cpu_quota_is_floored() {
+        let l = CgroupLayout::V2 { root: "/x".into() };
+        let files = l.limit_files(&Limits {
+            cpu: 0.0001,
+            ..limits()
+        });
+        assert!(files.contains(&("cpu.max".into(), "1000 100000".into())));
+    }
+}

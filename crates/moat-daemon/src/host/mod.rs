@@ -1,0 +1,6 @@
+//! Host mechanisms, one module each. Nothing here knows about sandboxes as an API concept: each module
+//! creates, inspects and removes one kind of kernel object.
+
+pub mod cgroup;
+pub mod mount;
+pub mod proc;

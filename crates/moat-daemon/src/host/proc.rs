@@ -1,0 +1,59 @@
+//! Facts about host processes read from /proc: identity (pid + start time, so a recycled pid is never
+//! mistaken for a sandbox's agent), uid maps and liveness.
+
+use anyhow::{Context, Result};
+
+/// Start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat), None if it is gone.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_ticks(&stat)
+}
+
+/// Field 22 of a /proc/PID/stat line (the command name in parentheses may hold spaces).
+pub fn parse_start_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After ')' come fields 3.. ; starttime is field 22, i.e. the 20th here.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// True when `pid` exists, is not a zombie, and started at `ticks`.
+pub fn is_same_process(pid: u32, ticks: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next())
+        .unwrap_or("");
+    state != "Z" && parse_start_ticks(&stat) == Some(ticks)
+}
+
+/// Effective uid of `pid` on the host (from /proc/PID/status).
+pub fn host_uid(pid: u32) -> Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("read /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .context("no Uid line")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_ticks_of_stat_line() {
+        let line = "1234 (a b) c) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 200";
+        assert_eq!(parse_start_ticks(line), Some(98765));
+    }
+
+    #[test]
+    fn own_process_identity() {
+        let me = std::process::id();
+        let t = start_ticks(me).unwrap();
+        assert!(is_same_process(me, t));
+        assert!(!is_same_process(me, t + 1));
+    }
+}

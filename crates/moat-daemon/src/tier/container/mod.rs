@@ -1,0 +1,316 @@
+//! The `container` tier: Linux namespaces (user with a per-sandbox host uid range, pid, mount, uts, ipc,
+//! net, cgroup), a cgroup per sandbox, and an overlay of the read-only template (idmapped to the sandbox's
+//! uid range) plus a per-sandbox writable layer as the root filesystem.
+//!
+//! Layout of a sandbox on the host, under `<data_dir>/sandboxes/<id>/`:
+//! `lower` (idmapped read-only template mount), `upper` + `work` (the writable layer), `rootfs` (the
+//! overlay), `agent.sock` (the agent's listening socket; only the daemon can reach this path).
+
+pub mod init;
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use moat_api::{Isolation, TierInfo};
+use serde::{Deserialize, Serialize};
+
+use super::{AgentStream, IsolationTier, SandboxSpec};
+use crate::host::cgroup::{CgroupLayout, Limits};
+use crate::host::{mount, proc};
+
+/// Host ids each sandbox's user namespace maps (0..65535 inside).
+pub const IDS_PER_SANDBOX: u32 = 65_536;
+/// Largest number of uid slots (so ranges stay below 2^32).
+pub const MAX_SLOTS: u32 = 4096;
+const PIDS_LIMIT: u64 = 4096;
+
+/// What the daemon stores to find a container sandbox again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContainerState {
+    /// Host pid of the sandbox's PID 1 (the agent).
+    pub agent_pid: u32,
+    /// Its start time, so a recycled pid is never taken for it.
+    pub agent_start_ticks: u64,
+    /// Host uid (and gid) that root inside the sandbox maps to.
+    pub host_uid: u32,
+}
+
+pub struct ContainerTier {
+    /// `<data_dir>/sandboxes`
+    root: PathBuf,
+    cgroups: CgroupLayout,
+    /// Static agent binary to bind-mount (a root-owned copy in the data dir).
+    agent: PathBuf,
+    /// The `moat` binary, re-executed as the init helper.
+    self_exe: PathBuf,
+    uid_base: u32,
+}
+
+impl ContainerTier {
+    pub fn new(root: PathBuf, agent: PathBuf, uid_base: u32) -> Result<ContainerTier> {
+        std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))?;
+        if uid_base as u64 + MAX_SLOTS as u64 * IDS_PER_SANDBOX as u64 > u32::MAX as u64 {
+            bail!("uid base {uid_base} leaves no room for {MAX_SLOTS} sandboxes of {IDS_PER_SANDBOX} ids");
+        }
+        let self_exe = std::fs::read_link("/proc/self/exe").context("find own executable")?;
+        Ok(ContainerTier {
+            root,
+            cgroups: CgroupLayout::detect()?,
+            agent,
+            self_exe,
+            uid_base,
+        })
+    }
+
+    pub fn cgroups(&self) -> &CgroupLayout {
+        &self.cgroups
+    }
+
+    fn dir(&self, id: &str) -> PathBuf {
+        self.root.join(id)
+    }
+
+    fn host_uid(&self, slot: u32) -> u32 {
+        self.uid_base + slot * IDS_PER_SANDBOX
+    }
+
+    fn create_blocking(&self, spec: &SandboxSpec) -> Result<ContainerState> {
+        if spec.slot >= MAX_SLOTS {
+            bail!("uid slot {} out of range", spec.slot);
+        }
+        let dir = self.dir(&spec.id);
+        let host_uid = self.host_uid(spec.slot);
+        for sub in ["lower", "upper", "work", "rootfs"] {
+            std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("mkdir {sub}"))?;
+        }
+        // The overlay's root directory is the upper layer's: make it the sandbox root's.
+        nix::unistd::chown(&dir.join("upper"), Some(host_uid.into()), Some(host_uid.into()))
+            .context("chown upper layer")?;
+        std::fs::set_permissions(dir.join("upper"), std::fs::Permissions::from_mode(0o755))?;
+
+        self.cgroups.create(
+            &spec.id,
+            &Limits {
+                cpu: spec.cpu,
+                memory_bytes: spec.memory_mb << 20,
+                pids: PIDS_LIMIT,
+            },
+        )?;
+
+        let sock_path = dir.join("agent.sock");
+        let _ = std::fs::remove_file(&sock_path);
+        let listener = UnixListener::bind(&sock_path).context("bind agent socket")?;
+        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))?;
+        let (mut ours, theirs) = UnixStream::pair().context("socketpair")?;
+
+        let config = init::InitConfig {
+            rootfs: dir.join("rootfs"),
+            hostname: spec.hostname.clone(),
+            agent: self.agent.clone(),
+            env: spec.env.clone(),
+        };
+        let mut cmd = Command::new(&self.self_exe);
+        cmd.arg(init::INIT_ARG)
+            .arg(serde_json::to_string(&config)?)
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let lfd = listener.as_raw_fd();
+        let sfd = theirs.as_raw_fd();
+        // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Move both out of the way first so neither dup2 clobbers the other.
+                let l = libc::fcntl(lfd, libc::F_DUPFD, 10);
+                let s = libc::fcntl(sfd, libc::F_DUPFD, 10);
+                if l < 0 || s < 0 || libc::dup2(l, init::LISTEN_FD) < 0 || libc::dup2(s, init::SYNC_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().context("spawn sandbox init")?;
+        drop(theirs);
+        drop(listener);
+        let result = self.finish_start(spec, &dir, host_uid, child.id(), &mut ours);
+        if result.is_err() {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+        result
+    }
+
+    fn finish_start(&self, spec: &SandboxSpec, dir: &Path, host_uid: u32, helper: u32, sync: &mut UnixStream) -> Result<ContainerState> {
+        sync.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut b = [0u8; 1];
+        sync.read_exact(&mut b).context("init helper did not start")?;
+        if b[0] != b'U' {
+            bail!("init helper: unexpected sync byte");
+        }
+        let map = format!("0 {host_uid} {IDS_PER_SANDBOX}\n");
+        std::fs::write(format!("/proc/{helper}/uid_map"), &map).context("write uid_map")?;
+        std::fs::write(format!("/proc/{helper}/gid_map"), &map).context("write gid_map")?;
+        let userns: OwnedFd = std::fs::File::open(format!("/proc/{helper}/ns/user"))
+            .context("open user namespace")?
+            .into();
+        mount::idmapped_bind(&spec.template_rootfs, &dir.join("lower"), &userns)?;
+        mount::overlay(&dir.join("lower"), &dir.join("upper"), &dir.join("work"), &dir.join("rootfs"))?;
+        self.cgroups.add_process(&spec.id, helper)?;
+        sync.write_all(b"G").context("release init helper")?;
+
+        let mut agent_pid = None;
+        let mut errors = Vec::new();
+        for line in BufReader::new(&*sync).lines() {
+            let line = line.context("read from init helper")?;
+            if let Some(p) = line.strip_prefix("PID ") {
+                agent_pid = p.trim().parse::<u32>().ok();
+            } else if let Some(e) = line.strip_prefix("ERR ") {
+                errors.push(e.to_string());
+            }
+        }
+        if !errors.is_empty() {
+            bail!("sandbox init failed: {}", errors.join("; "));
+        }
+        let agent_pid = agent_pid.ok_or_else(|| anyhow!("sandbox init reported no pid"))?;
+        let agent_start_ticks = proc::start_ticks(agent_pid).ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
+        Ok(ContainerState {
+            agent_pid,
+            agent_start_ticks,
+            host_uid,
+        })
+    }
+
+    fn destroy_blocking(&self, id: &str, state: Option<ContainerState>) -> Result<()> {
+        if let Some(s) = &state {
+            if proc::is_same_process(s.agent_pid, s.agent_start_ticks) {
+                // Killing PID 1 of a pid namespace kills every process in it.
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(s.agent_pid as i32), nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        let killed = self.cgroups.kill_all(id, Duration::from_secs(10));
+        if let Some(s) = &state {
+            reap(s.agent_pid);
+        }
+        killed?;
+        self.cgroups.remove(id)?;
+        let dir = self.dir(id);
+        mount::unmount_tree(&dir)?;
+        mount::remove_unmounted_tree(&dir)
+    }
+}
+
+/// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
+fn reap(pid: u32) {
+    let p = nix::unistd::Pid::from_raw(pid as i32);
+    for _ in 0..100 {
+        match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
+            Ok(nix::sys::wait::WaitStatus::StillAlive) => std::thread::sleep(Duration::from_millis(10)),
+            _ => return,
+        }
+    }
+}
+
+fn parse_state(v: &serde_json::Value) -> Result<ContainerState> {
+    serde_json::from_value(v.clone()).context("container tier state")
+}
+
+#[async_trait::async_trait]
+impl IsolationTier for ContainerTier {
+    fn isolation(&self) -> Isolation {
+        Isolation::Container
+    }
+
+    fn info(&self) -> TierInfo {
+        TierInfo {
+            isolation: Isolation::Container,
+            available: true,
+            note: Some(format!("cgroup {}", if self.cgroups.is_v2() { "v2" } else { "v1" })),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
+        let this = self.clone_handle();
+        let spec2 = spec.clone();
+        let res = tokio::task::spawn_blocking(move || this.create_blocking(&spec2)).await?;
+        match res {
+            Ok(state) => Ok(serde_json::to_value(state)?),
+            Err(e) => {
+                let this = self.clone_handle();
+                let id = spec.id.clone();
+                let cleanup = tokio::task::spawn_blocking(move || this.destroy_blocking(&id, None)).await?;
+                if let Err(c) = cleanup {
+                    tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn connect(&self, id: &str, _state: &serde_json::Value) -> Result<AgentStream> {
+        let path = self.dir(id).join("agent.sock");
+        let s = tokio::net::UnixStream::connect(&path)
+            .await
+            .with_context(|| format!("connect {}", path.display()))?;
+        Ok(Box::pin(s))
+    }
+
+    async fn is_alive(&self, _id: &str, state: &serde_json::Value) -> bool {
+        parse_state(state).is_ok_and(|s| proc::is_same_process(s.agent_pid, s.agent_start_ticks))
+    }
+
+    async fn pause(&self, id: &str, _state: &serde_json::Value) -> Result<()> {
+        self.cgroups.set_frozen(id, true)
+    }
+
+    async fn resume(&self, id: &str, _state: &serde_json::Value) -> Result<()> {
+        self.cgroups.set_frozen(id, false)
+    }
+
+    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+        let state = state.and_then(|s| parse_state(s).ok());
+        let this = self.clone_handle();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
+    }
+
+    async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>> {
+        let mut names: Vec<String> = self.cgroups.list();
+        if let Ok(rd) = std::fs::read_dir(&self.root) {
+            for e in rd.flatten() {
+                if let Some(n) = e.file_name().to_str() {
+                    if !names.iter().any(|x| x == n) {
+                        names.push(n.to_string());
+                    }
+                }
+            }
+        }
+        let mut removed = Vec::new();
+        for name in names.into_iter().filter(|n| !live.contains(n)) {
+            self.destroy(&name, None).await.with_context(|| format!("sweep {name}"))?;
+            removed.push(name);
+        }
+        Ok(removed)
+    }
+}
+
+impl ContainerTier {
+    fn clone_handle(&self) -> ContainerTier {
+        ContainerTier {
+            root: self.root.clone(),
+            cgroups: self.cgroups.clone(),
+            agent: self.agent.clone(),
+            self_exe: self.self_exe.clone(),
+            uid_base: self.uid_base,
+        }
+    }
+}

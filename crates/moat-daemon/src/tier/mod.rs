@@ -1,0 +1,65 @@
+//! Isolation tiers. One trait, one module per tier; nothing tier-specific lives outside its module.
+//!
+//! A tier turns a [`SandboxSpec`] into a running agent reachable over one byte stream, and tears it down
+//! again. What a tier must remember to find its sandbox after a daemon restart goes into an opaque JSON
+//! value the daemon stores with the sandbox (`tier_state`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use anyhow::Result;
+use moat_api::{Isolation, TierInfo};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub mod container;
+
+/// Everything a tier needs to start a sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: String,
+    pub hostname: String,
+    /// Read-only root filesystem of the template.
+    pub template_rootfs: PathBuf,
+    /// The environment the agent (and so every process) starts with.
+    pub env: BTreeMap<String, String>,
+    pub cpu: f64,
+    pub memory_mb: u64,
+    /// Index of the sandbox's host uid/gid range.
+    pub slot: u32,
+}
+
+/// A byte stream to a sandbox's agent.
+pub trait AgentIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> AgentIo for T {}
+pub type AgentStream = Pin<Box<dyn AgentIo>>;
+
+#[async_trait::async_trait]
+pub trait IsolationTier: Send + Sync {
+    fn isolation(&self) -> Isolation;
+
+    /// Whether the tier works on this host, and any note on how it runs.
+    fn info(&self) -> TierInfo;
+
+    /// Starts the sandbox; returns the state needed to reach and remove it later.
+    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value>;
+
+    /// Opens a new byte stream to the sandbox's agent.
+    async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream>;
+
+    /// Whether the sandbox described by `state` still runs (used when re-adopting after a restart).
+    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
+
+    /// Freezes every process of the sandbox.
+    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()>;
+
+    /// Thaws a paused sandbox.
+    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()>;
+
+    /// Kills the sandbox and removes everything it had on the host. Idempotent; works from the id
+    /// alone when the state was lost.
+    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()>;
+
+    /// Removes leftovers of sandboxes that are not in `live` (a crash, a kill -9 mid-create).
+    async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>>;
+}
