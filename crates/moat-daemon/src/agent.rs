@@ -27,7 +27,11 @@ pub struct AgentClient {
 }
 
 impl AgentClient {
-    pub fn new(id: String, tier: Arc<dyn IsolationTier>, tier_state: serde_json::Value) -> AgentClient {
+    pub fn new(
+        id: String,
+        tier: Arc<dyn IsolationTier>,
+        tier_state: serde_json::Value,
+    ) -> AgentClient {
         AgentClient {
             id,
             tier,
@@ -63,7 +67,13 @@ impl AgentClient {
     }
 
     /// Sends a request to the agent. `path_and_query` starts with `/`.
-    pub async fn send(&self, method: http::Method, path_and_query: &str, content_type: Option<&str>, body: Body) -> Result<Response<Incoming>> {
+    pub async fn send(
+        &self,
+        method: http::Method,
+        path_and_query: &str,
+        content_type: Option<&str>,
+        body: Body,
+    ) -> Result<Response<Incoming>> {
         let mut sender = self.sender().await?;
         let mut b = Request::builder()
             .method(method)
@@ -73,18 +83,30 @@ impl AgentClient {
         }
         let req = b.body(body).context("build agent request")?;
         sender.ready().await.context("agent connection")?;
-        sender.send_request(req).await.map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
+        sender
+            .send_request(req)
+            .await
+            .map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
     }
 
     /// GETs JSON from the agent.
     pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
         use http_body_util::BodyExt;
-        let resp = self.send(http::Method::GET, path, None, Body::empty()).await?;
+        let resp = self
+            .send(http::Method::GET, path, None, Body::empty())
+            .await?;
         let status = resp.status();
         let limited = http_body_util::Limited::new(resp.into_body(), 1 << 20);
-        let bytes = limited.collect().await.map_err(|e| anyhow!("read agent answer: {e}"))?.to_bytes();
+        let bytes = limited
+            .collect()
+            .await
+            .map_err(|e| anyhow!("read agent answer: {e}"))?
+            .to_bytes();
         if !status.is_success() {
-            bail!("agent answered {status} to {path}: {}", String::from_utf8_lossy(&bytes));
+            bail!(
+                "agent answered {status} to {path}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
         }
         serde_json::from_slice(&bytes).with_context(|| format!("decode agent answer to {path}"))
     }
@@ -98,7 +120,12 @@ impl AgentClient {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut last = anyhow!("agent did not answer");
         while tokio::time::Instant::now() < deadline {
-            match tokio::time::timeout(Duration::from_secs(2), self.get_json::<AgentHealth>("/health")).await {
+            match tokio::time::timeout(
+                Duration::from_secs(2),
+                self.get_json::<AgentHealth>("/health"),
+            )
+            .await
+            {
                 Ok(Ok(h)) if h.protocol == moat_api::AGENT_PROTOCOL_VERSION => return Ok(()),
                 Ok(Ok(h)) => bail!(
                     "agent speaks protocol {} but the daemon speaks {}",

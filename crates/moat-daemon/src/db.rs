@@ -77,12 +77,15 @@ fn enum_str<T: serde::Serialize>(v: &T) -> String {
 }
 
 fn parse_enum<T: serde::de::DeserializeOwned>(s: &str) -> rusqlite::Result<T> {
-    serde_json::from_value(serde_json::Value::String(s.to_string()))
-        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e)))
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e))
+    })
 }
 
 fn parse_json<T: serde::de::DeserializeOwned>(s: &str) -> rusqlite::Result<T> {
-    serde_json::from_str(s).map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e)))
+    serde_json::from_str(s).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e))
+    })
 }
 
 fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
@@ -132,21 +135,30 @@ impl Db {
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         let tx = conn.transaction()?;
         for (i, m) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            tx.execute_batch(m).with_context(|| format!("migration {}", i + 1))?;
+            tx.execute_batch(m)
+                .with_context(|| format!("migration {}", i + 1))?;
             tx.pragma_update(None, "user_version", (i + 1) as i64)?;
         }
         tx.commit()?;
-        Ok(Db { conn: Mutex::new(conn) })
+        Ok(Db {
+            conn: Mutex::new(conn),
+        })
     }
 
     fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
-        let conn = self.conn.lock().map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let conn = self
+            .conn
+            .lock()
+            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
         f(&conn).map_err(Into::into)
     }
 
     /// Inserts a new sandbox, choosing the lowest free uid slot below `max_slots`.
     pub fn insert_sandbox(&self, rec: &mut SandboxRecord, max_slots: u32) -> Result<()> {
-        let mut conn = self.conn.lock().map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let mut conn = self
+            .conn
+            .lock()
+            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
         let tx = conn.transaction()?;
         let slot: Option<i64> = tx
             .query_row(
@@ -156,7 +168,8 @@ impl Db {
                 |r| r.get(0),
             )
             .optional()?;
-        let slot = slot.ok_or_else(|| anyhow::anyhow!("all {max_slots} sandbox slots are in use"))?;
+        let slot =
+            slot.ok_or_else(|| anyhow::anyhow!("all {max_slots} sandbox slots are in use"))?;
         rec.slot = slot as u32;
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
@@ -183,7 +196,14 @@ impl Db {
     }
 
     pub fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRecord>> {
-        self.with(|c| c.query_row("SELECT * FROM sandboxes WHERE id = ?1", [id], sandbox_from_row).optional())
+        self.with(|c| {
+            c.query_row(
+                "SELECT * FROM sandboxes WHERE id = ?1",
+                [id],
+                sandbox_from_row,
+            )
+            .optional()
+        })
     }
 
     pub fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
@@ -195,11 +215,21 @@ impl Db {
     }
 
     pub fn set_state(&self, id: &str, state: SandboxState) -> Result<()> {
-        self.with(|c| c.execute("UPDATE sandboxes SET state = ?2 WHERE id = ?1", params![id, enum_str(&state)]))?;
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET state = ?2 WHERE id = ?1",
+                params![id, enum_str(&state)],
+            )
+        })?;
         Ok(())
     }
 
-    pub fn set_tier_state(&self, id: &str, state: SandboxState, tier_state: &serde_json::Value) -> Result<()> {
+    pub fn set_tier_state(
+        &self,
+        id: &str,
+        state: SandboxState,
+        tier_state: &serde_json::Value,
+    ) -> Result<()> {
         self.with(|c| {
             c.execute(
                 "UPDATE sandboxes SET state = ?2, tier_state = ?3 WHERE id = ?1",
@@ -210,14 +240,21 @@ impl Db {
     }
 
     pub fn set_expiry(&self, id: &str, expires_at_ms: i64) -> Result<()> {
-        self.with(|c| c.execute("UPDATE sandboxes SET expires_at_ms = ?2 WHERE id = ?1", params![id, expires_at_ms]))?;
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET expires_at_ms = ?2 WHERE id = ?1",
+                params![id, expires_at_ms],
+            )
+        })?;
         Ok(())
     }
 
     /// Ids of sandboxes whose expiry is at or before `now_ms`.
     pub fn expired(&self, now_ms: i64) -> Result<Vec<String>> {
         self.with(|c| {
-            let mut st = c.prepare("SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping'")?;
+            let mut st = c.prepare(
+                "SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping'",
+            )?;
             let rows = st.query_map([now_ms], |r| r.get(0))?;
             rows.collect()
         })
@@ -241,7 +278,14 @@ impl Db {
     }
 
     pub fn get_template(&self, name: &str) -> Result<Option<TemplateRecord>> {
-        self.with(|c| c.query_row("SELECT * FROM templates WHERE name = ?1", [name], template_from_row).optional())
+        self.with(|c| {
+            c.query_row(
+                "SELECT * FROM templates WHERE name = ?1",
+                [name],
+                template_from_row,
+            )
+            .optional()
+        })
     }
 
     pub fn list_templates(&self) -> Result<Vec<TemplateRecord>> {
@@ -259,8 +303,14 @@ impl Db {
 
     /// Number of sandboxes using a template.
     pub fn template_users(&self, name: &str) -> Result<u64> {
-        self.with(|c| c.query_row("SELECT COUNT(*) FROM sandboxes WHERE template = ?1", [name], |r| r.get::<_, i64>(0)))
-            .map(|n| n as u64)
+        self.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM sandboxes WHERE template = ?1",
+                [name],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| n as u64)
     }
 }
 
@@ -306,7 +356,8 @@ mod tests {
         let db = Db::open_in_memory().unwrap();
         let mut a = rec("a");
         db.insert_sandbox(&mut a, 8).unwrap();
-        db.set_tier_state("a", SandboxState::Running, &serde_json::json!({"pid": 5})).unwrap();
+        db.set_tier_state("a", SandboxState::Running, &serde_json::json!({"pid": 5}))
+            .unwrap();
         let got = db.get_sandbox("a").unwrap().unwrap();
         assert_eq!(got.state, SandboxState::Running);
         assert_eq!(got.tier_state, Some(serde_json::json!({"pid": 5})));

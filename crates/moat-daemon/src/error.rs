@@ -39,13 +39,17 @@ impl From<anyhow::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = http::StatusCode::from_u16(self.0.error.code.status()).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+        let status = http::StatusCode::from_u16(self.0.error.code.status())
+            .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
         (status, axum::Json(self.0)).into_response()
     }
 }
 
 /// Turns a serde error (with its path) into a 400 naming the field.
-pub fn from_serde_path(err: serde_path_to_error::Error<impl std::fmt::Display>, what: &str) -> ApiError {
+pub fn from_serde_path(
+    err: serde_path_to_error::Error<impl std::fmt::Display>,
+    what: &str,
+) -> ApiError {
     let path = err.path().to_string();
     let msg = err.inner().to_string();
     // serde reports an unknown field at the enclosing object; the message names the field itself.

@@ -34,7 +34,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     }
     // Sandboxes' PID 1s are re-parented to the daemon when their init helper exits, so it can reap them.
     nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
-    std::fs::create_dir_all(&args.data_dir).with_context(|| format!("create {}", args.data_dir.display()))?;
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("create {}", args.data_dir.display()))?;
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o711))?;
     extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
 
@@ -43,9 +44,15 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
-    let container = tier::container::ContainerTier::new(args.data_dir.join("sandboxes"), agent, args.uid_base)?;
+    let container =
+        tier::container::ContainerTier::new(args.data_dir.join("sandboxes"), agent, args.uid_base)?;
     let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
-    let sandboxes = Arc::new(sandboxes::Sandboxes::new(args.clone(), db, templates, tiers));
+    let sandboxes = Arc::new(sandboxes::Sandboxes::new(
+        args.clone(),
+        db,
+        templates,
+        tiers,
+    ));
     sandboxes.recover().await.context("recover sandboxes")?;
     tokio::spawn(sandboxes.clone().expire_loop(Duration::from_millis(500)));
 
@@ -57,24 +64,33 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), "moat daemon listening");
     if let Some(path) = &args.unix_socket {
         let _ = std::fs::remove_file(path);
-        let uds = tokio::net::UnixListener::bind(path).with_context(|| format!("listen on {}", path.display()))?;
+        let uds = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("listen on {}", path.display()))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         let app = app.clone();
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(uds, app).with_graceful_shutdown(shutdown_signal()).await {
+            if let Err(e) = axum::serve(uds, app)
+                .with_graceful_shutdown(shutdown_signal())
+                .await
+            {
                 tracing::error!("unix socket server: {e}");
             }
         });
         tracing::info!(socket = %path.display(), "also listening on unix socket");
     }
-    axum::serve(tcp, app).with_graceful_shutdown(shutdown_signal()).await?;
+    axum::serve(tcp, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
     Ok(())
 }
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         return std::future::pending().await;
     };
     tokio::select! {
@@ -146,7 +162,10 @@ fn install_agent(args: &ServeArgs) -> Result<PathBuf> {
     let mut bytes = Vec::new();
     std::fs::File::open(src)?.read_to_end(&mut bytes)?;
     if elf_has_interpreter(&bytes)? {
-        bail!("agent {} is dynamically linked; sandboxes need a static one (scripts/build-agent.sh)", src.display());
+        bail!(
+            "agent {} is dynamically linked; sandboxes need a static one (scripts/build-agent.sh)",
+            src.display()
+        );
     }
     let digest = hex::encode(sha2::Sha256::digest(&bytes));
     let dir = args.data_dir.join("bin");
@@ -190,7 +209,10 @@ pub fn maybe_sandbox_init() -> Option<i32> {
     if args.nth(1).as_deref() != Some(std::ffi::OsStr::new(tier::container::init::INIT_ARG)) {
         return None;
     }
-    let config = args.next().and_then(|a| a.into_string().ok()).unwrap_or_default();
+    let config = args
+        .next()
+        .and_then(|a| a.into_string().ok())
+        .unwrap_or_default();
     Some(tier::container::init::main(&config))
 }
 
@@ -206,7 +228,10 @@ mod tests {
         let b = load_or_create_api_key(&p).unwrap();
         assert_eq!(a, b);
         assert!(a.starts_with("moat_") && a.len() == 53);
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
     }
 
     #[test]

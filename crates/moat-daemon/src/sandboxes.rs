@@ -31,7 +31,10 @@ pub struct Sandboxes {
 }
 
 pub fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 pub fn rfc3339(ms: i64) -> String {
@@ -66,7 +69,11 @@ fn base32(bytes: &[u8]) -> String {
 
 /// Whether `s` looks like a sandbox id (so garbage never reaches the database or a path).
 pub fn valid_sandbox_id(s: &str) -> bool {
-    s.len() == 30 && s.starts_with("sbx_") && s[4..].bytes().all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
+    s.len() == 30
+        && s.starts_with("sbx_")
+        && s[4..]
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
 }
 
 fn to_api(r: &SandboxRecord) -> Sandbox {
@@ -93,8 +100,15 @@ pub struct ListFilter {
 }
 
 impl Sandboxes {
-    pub fn new(args: ServeArgs, db: Arc<Db>, templates: Arc<TemplateStore>, tiers: Vec<Arc<dyn IsolationTier>>) -> Sandboxes {
-        let host_cpus = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0);
+    pub fn new(
+        args: ServeArgs,
+        db: Arc<Db>,
+        templates: Arc<TemplateStore>,
+        tiers: Vec<Arc<dyn IsolationTier>>,
+    ) -> Sandboxes {
+        let host_cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as f64)
+            .unwrap_or(1.0);
         let host_memory_mb = nix::sys::sysinfo::sysinfo()
             .map(|s| s.ram_total() >> 20)
             .unwrap_or(1 << 20);
@@ -110,48 +124,76 @@ impl Sandboxes {
     }
 
     pub fn tier_infos(&self) -> Vec<moat_api::TierInfo> {
-        let mut out: Vec<moat_api::TierInfo> = [Isolation::Container, Isolation::Gvisor, Isolation::Microvm]
-            .into_iter()
-            .map(|i| match self.tiers.get(&i) {
-                Some(t) => t.info(),
-                None => moat_api::TierInfo {
-                    isolation: i,
-                    available: false,
-                    note: Some("not implemented in this version of moat".into()),
-                },
-            })
-            .collect();
+        let mut out: Vec<moat_api::TierInfo> =
+            [Isolation::Container, Isolation::Gvisor, Isolation::Microvm]
+                .into_iter()
+                .map(|i| match self.tiers.get(&i) {
+                    Some(t) => t.info(),
+                    None => moat_api::TierInfo {
+                        isolation: i,
+                        available: false,
+                        note: Some("not implemented in this version of moat".into()),
+                    },
+                })
+                .collect();
         out.sort_by_key(|t| t.isolation.as_str());
         out
     }
 
     fn tier(&self, i: Isolation) -> ApiResult<Arc<dyn IsolationTier>> {
         self.tiers.get(&i).cloned().ok_or_else(|| {
-            ApiError::invalid("isolation", format!("isolation {} is not available in this version of moat", i.as_str()))
+            ApiError::invalid(
+                "isolation",
+                format!(
+                    "isolation {} is not available in this version of moat",
+                    i.as_str()
+                ),
+            )
         })
     }
 
     fn validate(&self, req: &CreateSandboxRequest) -> ApiResult<()> {
         if let Some(t) = req.timeout {
             if t == 0 || t > self.args.max_timeout {
-                return Err(ApiError::invalid("timeout", format!("timeout must be 1..={} seconds, got {t}", self.args.max_timeout)));
+                return Err(ApiError::invalid(
+                    "timeout",
+                    format!(
+                        "timeout must be 1..={} seconds, got {t}",
+                        self.args.max_timeout
+                    ),
+                ));
             }
         }
         if let Some(c) = req.cpu {
             if !c.is_finite() || c < 0.01 || c > self.host_cpus {
-                return Err(ApiError::invalid("cpu", format!("cpu must be 0.01..={} cores, got {c}", self.host_cpus)));
+                return Err(ApiError::invalid(
+                    "cpu",
+                    format!("cpu must be 0.01..={} cores, got {c}", self.host_cpus),
+                ));
             }
         }
         if let Some(m) = req.memory_mb {
             if !(16..=self.host_memory_mb).contains(&m) {
-                return Err(ApiError::invalid("memory_mb", format!("memory_mb must be 16..={}, got {m}", self.host_memory_mb)));
+                return Err(ApiError::invalid(
+                    "memory_mb",
+                    format!("memory_mb must be 16..={}, got {m}", self.host_memory_mb),
+                ));
             }
         }
         if req.env.len() > 1000 {
-            return Err(ApiError::invalid("env", "at most 1000 environment variables"));
+            return Err(ApiError::invalid(
+                "env",
+                "at most 1000 environment variables",
+            ));
         }
         for (k, v) in &req.env {
-            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') || k.len() > 4096 || v.len() > 128 * 1024 {
+            if k.is_empty()
+                || k.contains('=')
+                || k.contains('\0')
+                || v.contains('\0')
+                || k.len() > 4096
+                || v.len() > 128 * 1024
+            {
                 return Err(ApiError::invalid(&format!("env.{k}"), "environment names must be non-empty without '=' or NUL; values without NUL and at most 128 KiB"));
             }
         }
@@ -160,7 +202,10 @@ impl Sandboxes {
         }
         for (k, v) in &req.metadata {
             if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains('=') {
-                return Err(ApiError::invalid(&format!("metadata.{k}"), "metadata keys must be 1-128 characters without '='; values at most 1024"));
+                return Err(ApiError::invalid(
+                    &format!("metadata.{k}"),
+                    "metadata keys must be 1-128 characters without '='; values at most 1024",
+                ));
             }
         }
         Ok(())
@@ -170,8 +215,12 @@ impl Sandboxes {
         self.validate(&req)?;
         let isolation = req.isolation.unwrap_or_default();
         let tier = self.tier(isolation)?;
-        let template = req.template.clone().unwrap_or_else(|| self.args.default_template.clone());
-        moat_api::validate_template_name(&template).map_err(|m| ApiError::invalid("template", m))?;
+        let template = req
+            .template
+            .clone()
+            .unwrap_or_else(|| self.args.default_template.clone());
+        moat_api::validate_template_name(&template)
+            .map_err(|m| ApiError::invalid("template", m))?;
         let template_rootfs = self.templates.ensure(&self.db, &template).await?;
 
         let now = now_ms();
@@ -206,7 +255,8 @@ impl Sandboxes {
         let started = async {
             let state = tier.create(&spec).await?;
             // Record the tier state before anything else can fail, so a crash here is swept or adopted.
-            self.db.set_tier_state(&id, SandboxState::Starting, &state)?;
+            self.db
+                .set_tier_state(&id, SandboxState::Starting, &state)?;
             let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
             agent.wait_ready(Duration::from_secs(20)).await?;
             self.db.set_tier_state(&id, SandboxState::Running, &state)?;
@@ -221,19 +271,29 @@ impl Sandboxes {
                 Ok(to_api(&rec))
             }
             Err(e) => {
-                let state = self.db.get_sandbox(&id).ok().flatten().and_then(|r| r.tier_state);
+                let state = self
+                    .db
+                    .get_sandbox(&id)
+                    .ok()
+                    .flatten()
+                    .and_then(|r| r.tier_state);
                 if let Err(c) = tier.destroy(&id, state.as_ref()).await {
                     tracing::error!(sandbox = %id, "cleanup of failed create: {c:#}");
                 }
                 let _ = self.db.delete_sandbox(&id);
-                Err(ApiError::internal(format!("could not start sandbox: {e:#}")))
+                Err(ApiError::internal(format!(
+                    "could not start sandbox: {e:#}"
+                )))
             }
         }
     }
 
     fn record(&self, id: &str) -> ApiResult<SandboxRecord> {
         if !valid_sandbox_id(id) {
-            return Err(ApiError::not_found("id", format!("sandbox {id:?} not found")));
+            return Err(ApiError::not_found(
+                "id",
+                format!("sandbox {id:?} not found"),
+            ));
         }
         self.db
             .get_sandbox(id)?
@@ -250,7 +310,12 @@ impl Sandboxes {
             .list_sandboxes()?
             .iter()
             .filter(|r| filter.state.is_none_or(|s| s == r.state))
-            .filter(|r| filter.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
+            .filter(|r| {
+                filter
+                    .metadata
+                    .iter()
+                    .all(|(k, v)| r.metadata.get(k) == Some(v))
+            })
             .map(to_api)
             .collect())
     }
@@ -258,7 +323,13 @@ impl Sandboxes {
     pub fn set_timeout(&self, id: &str, timeout: u64) -> ApiResult<Sandbox> {
         let rec = self.record(id)?;
         if timeout == 0 || timeout > self.args.max_timeout {
-            return Err(ApiError::invalid("timeout", format!("timeout must be 1..={} seconds, got {timeout}", self.args.max_timeout)));
+            return Err(ApiError::invalid(
+                "timeout",
+                format!(
+                    "timeout must be 1..={} seconds, got {timeout}",
+                    self.args.max_timeout
+                ),
+            ));
         }
         if rec.state == SandboxState::Stopping {
             return Err(ApiError::conflict(format!("sandbox {id} is stopping")));
@@ -272,7 +343,10 @@ impl Sandboxes {
     pub async fn agent(&self, id: &str) -> ApiResult<Arc<AgentClient>> {
         let rec = self.record(id)?;
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(format!("sandbox {id} is {}", rec.state.as_str())));
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
         }
         if let Some(a) = self.agents.read().await.get(id) {
             return Ok(a.clone());
@@ -281,14 +355,19 @@ impl Sandboxes {
             return Err(ApiError::conflict(format!("sandbox {id} has no agent")));
         };
         let agent = Arc::new(AgentClient::new(id.to_string(), tier, state));
-        self.agents.write().await.insert(id.to_string(), agent.clone());
+        self.agents
+            .write()
+            .await
+            .insert(id.to_string(), agent.clone());
         Ok(agent)
     }
 
     pub async fn delete(&self, id: &str) -> ApiResult<()> {
         let rec = self.record(id)?;
         if rec.state == SandboxState::Starting {
-            return Err(ApiError::conflict(format!("sandbox {id} is still starting")));
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is still starting"
+            )));
         }
         self.destroy(rec).await.map_err(Into::into)
     }
@@ -296,7 +375,11 @@ impl Sandboxes {
     async fn destroy(&self, rec: SandboxRecord) -> Result<()> {
         self.db.set_state(&rec.id, SandboxState::Stopping)?;
         self.agents.write().await.remove(&rec.id);
-        let tier = self.tiers.get(&rec.isolation).cloned().ok_or_else(|| anyhow::anyhow!("no tier {}", rec.isolation.as_str()))?;
+        let tier = self
+            .tiers
+            .get(&rec.isolation)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("no tier {}", rec.isolation.as_str()))?;
         tier.destroy(&rec.id, rec.tier_state.as_ref()).await?;
         self.db.delete_sandbox(&rec.id)?;
         tracing::info!(sandbox = %rec.id, "deleted");
@@ -338,12 +421,20 @@ impl Sandboxes {
                 continue;
             };
             let alive = match (&rec.state, &rec.tier_state) {
-                (SandboxState::Running | SandboxState::Paused, Some(s)) => tier.is_alive(&rec.id, s).await,
+                (SandboxState::Running | SandboxState::Paused, Some(s)) => {
+                    tier.is_alive(&rec.id, s).await
+                }
                 _ => false,
             };
             if alive {
-                let agent = Arc::new(AgentClient::new(rec.id.clone(), tier.clone(), rec.tier_state.clone().unwrap_or_default()));
-                if rec.state == SandboxState::Paused || agent.wait_ready(Duration::from_secs(5)).await.is_ok() {
+                let agent = Arc::new(AgentClient::new(
+                    rec.id.clone(),
+                    tier.clone(),
+                    rec.tier_state.clone().unwrap_or_default(),
+                ));
+                if rec.state == SandboxState::Paused
+                    || agent.wait_ready(Duration::from_secs(5)).await.is_ok()
+                {
                     self.agents.write().await.insert(rec.id.clone(), agent);
                     live.insert(rec.id.clone());
                     tracing::info!(sandbox = %rec.id, "re-adopted");

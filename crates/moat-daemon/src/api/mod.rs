@@ -53,39 +53,83 @@ struct BearerAuth;
 
 impl utoipa::Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+        use utoipa::openapi::security::{
+            HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+        };
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "api_key",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
-        openapi.security = Some(vec![SecurityRequirement::new("api_key", Vec::<String>::new())]);
+        openapi.security = Some(vec![SecurityRequirement::new(
+            "api_key",
+            Vec::<String>::new(),
+        )]);
     }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
-        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
-        .route("/v1/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route(
+            "/v1/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
+        .route(
+            "/v1/sandboxes/{id}",
+            get(sandboxes::get).delete(sandboxes::delete),
+        )
         .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
-        .route("/v1/sandboxes/{id}/processes", post(proxy::start_process).get(proxy::list_processes))
-        .route("/v1/sandboxes/{id}/processes/{process}/events", get(proxy::process_events))
-        .route("/v1/sandboxes/{id}/processes/{process}/stdin", post(proxy::process_stdin))
-        .route("/v1/sandboxes/{id}/processes/{process}/close-stdin", post(proxy::process_close_stdin))
-        .route("/v1/sandboxes/{id}/processes/{process}/signal", post(proxy::process_signal))
-        .route("/v1/sandboxes/{id}/processes/{process}/resize", post(proxy::process_resize))
-        .route("/v1/sandboxes/{id}/processes/{process}/ws", get(ws::process_ws))
-        .route("/v1/sandboxes/{id}/files", get(proxy::read_file).put(proxy::write_file))
+        .route(
+            "/v1/sandboxes/{id}/processes",
+            post(proxy::start_process).get(proxy::list_processes),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/events",
+            get(proxy::process_events),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/stdin",
+            post(proxy::process_stdin),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/close-stdin",
+            post(proxy::process_close_stdin),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/signal",
+            post(proxy::process_signal),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/resize",
+            post(proxy::process_resize),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{process}/ws",
+            get(ws::process_ws),
+        )
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(proxy::read_file).put(proxy::write_file),
+        )
         .route("/v1/sandboxes/{id}/fs/stat", get(proxy::stat))
         .route("/v1/sandboxes/{id}/fs/exists", get(proxy::exists))
         .route("/v1/sandboxes/{id}/fs/list", get(proxy::list_dir))
         .route("/v1/sandboxes/{id}/fs/mkdir", post(proxy::mkdir))
         .route("/v1/sandboxes/{id}/fs/rename", post(proxy::rename))
         .route("/v1/sandboxes/{id}/fs", delete(proxy::remove))
-        .route("/v1/sandboxes/{id}/fs/tar", get(proxy::download_tar).put(proxy::upload_tar))
+        .route(
+            "/v1/sandboxes/{id}/fs/tar",
+            get(proxy::download_tar).put(proxy::upload_tar),
+        )
         .route("/v1/sandboxes/{id}/fs/watch", get(proxy::watch))
-        .route("/v1/templates", get(templates::list).post(templates::register))
-        .route("/v1/templates/{name}", get(templates::get).delete(templates::delete))
+        .route(
+            "/v1/templates",
+            get(templates::list).post(templates::register),
+        )
+        .route(
+            "/v1/templates/{name}",
+            get(templates::get).delete(templates::delete),
+        )
         .route("/v1/templates/{name}/build", post(templates::build))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -137,13 +181,20 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::new(ErrorCode::NotFound, format!("no such endpoint: {} {}", req.method(), req.uri().path()))
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("no such endpoint: {} {}", req.method(), req.uri().path()),
+    )
 }
 
 async fn method_not_allowed(req: Request) -> Response {
     let mut r = ApiError::new(
         ErrorCode::InvalidArgument,
-        format!("method {} is not allowed on {}", req.method(), req.uri().path()),
+        format!(
+            "method {} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
     )
     .into_response();
     *r.status_mut() = http::StatusCode::METHOD_NOT_ALLOWED;

@@ -6,7 +6,6 @@
 use axum::body::Body;
 use axum::extract::{Path, Request};
 use axum::response::Response;
-use http::Method;
 use moat_api::*;
 use serde::de::DeserializeOwned;
 
@@ -49,7 +48,11 @@ async fn forward(st: &St, id: &str, req: Request, body: Option<Body>) -> ApiResu
 async fn forward_json<T: DeserializeOwned>(st: &St, id: &str, req: Request) -> ApiResult<Response> {
     st.sandboxes.agent(id).await?;
     let (parts, body) = req.into_parts();
-    let bytes = read_limited(body, MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed)).await?;
+    let bytes = read_limited(
+        body,
+        MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed),
+    )
+    .await?;
     parse_json::<T>(&bytes)?;
     let req = Request::from_parts(parts, Body::empty());
     forward(st, id, req, Some(Body::from(bytes))).await
@@ -65,11 +68,9 @@ fn check_query<T: DeserializeOwned>(req: &Request) -> ApiResult<()> {
 }
 
 fn check_selector(sel: &str) -> ApiResult<()> {
-    ProcessSelector::parse(sel).map(|_| ()).map_err(|m| ApiError::invalid("process", m))
-}
-
-fn only_get(method: &Method) -> bool {
-    method == Method::GET
+    ProcessSelector::parse(sel)
+        .map(|_| ())
+        .map_err(|m| ApiError::invalid("process", m))
 }
 
 /// Start a process. Streams its events as NDJSON unless `background` is set.
@@ -86,7 +87,6 @@ pub async fn start_process(st: St, Path(id): Path<String>, req: Request) -> ApiR
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/processes", tag = "processes", params(("id" = String, Path)),
     responses((status = 200, body = ProcessList), (status = 404, body = ErrorBody)))]
 pub async fn list_processes(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    debug_assert!(only_get(req.method()));
     forward(&st, &id, req, None).await
 }
 
@@ -94,7 +94,11 @@ pub async fn list_processes(st: St, Path(id): Path<String>, req: Request) -> Api
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/processes/{process}/events", tag = "processes",
     params(("id" = String, Path), ("process" = String, Path, description = "pid or tag"), AttachQuery),
     responses((status = 200, content_type = "application/x-ndjson", body = ProcessEvent), (status = 404, body = ErrorBody)))]
-pub async fn process_events(st: St, Path((id, process)): Path<(String, String)>, req: Request) -> ApiResult<Response> {
+pub async fn process_events(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
     check_selector(&process)?;
     check_query::<AttachQuery>(&req)?;
     forward(&st, &id, req, None).await
@@ -105,7 +109,11 @@ pub async fn process_events(st: St, Path((id, process)): Path<(String, String)>,
     params(("id" = String, Path), ("process" = String, Path)),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, description = "stdin not open", body = ErrorBody)))]
-pub async fn process_stdin(st: St, Path((id, process)): Path<(String, String)>, req: Request) -> ApiResult<Response> {
+pub async fn process_stdin(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
     check_selector(&process)?;
     forward(&st, &id, req, None).await
 }
@@ -114,7 +122,11 @@ pub async fn process_stdin(st: St, Path((id, process)): Path<(String, String)>, 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/close-stdin", tag = "processes",
     params(("id" = String, Path), ("process" = String, Path)),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
-pub async fn process_close_stdin(st: St, Path((id, process)): Path<(String, String)>, req: Request) -> ApiResult<Response> {
+pub async fn process_close_stdin(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
     check_selector(&process)?;
     forward(&st, &id, req, None).await
 }
@@ -123,7 +135,11 @@ pub async fn process_close_stdin(st: St, Path((id, process)): Path<(String, Stri
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/signal", tag = "processes",
     params(("id" = String, Path), ("process" = String, Path)), request_body = SignalRequest,
     responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
-pub async fn process_signal(st: St, Path((id, process)): Path<(String, String)>, req: Request) -> ApiResult<Response> {
+pub async fn process_signal(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
     check_selector(&process)?;
     forward_json::<SignalRequest>(&st, &id, req).await
 }
@@ -132,7 +148,11 @@ pub async fn process_signal(st: St, Path((id, process)): Path<(String, String)>,
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/resize", tag = "processes",
     params(("id" = String, Path), ("process" = String, Path)), request_body = PtySize,
     responses((status = 204), (status = 400, body = ErrorBody), (status = 409, description = "not a PTY", body = ErrorBody)))]
-pub async fn process_resize(st: St, Path((id, process)): Path<(String, String)>, req: Request) -> ApiResult<Response> {
+pub async fn process_resize(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    req: Request,
+) -> ApiResult<Response> {
     check_selector(&process)?;
     forward_json::<PtySize>(&st, &id, req).await
 }
@@ -224,4 +244,3 @@ pub async fn watch(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Re
     check_query::<WatchQuery>(&req)?;
     forward(&st, &id, req, None).await
 }
-

@@ -17,7 +17,10 @@ use crate::sandboxes::ListFilter;
     responses((status = 201, body = Sandbox), (status = 400, body = moat_api::ErrorBody),
               (status = 404, description = "unknown template", body = moat_api::ErrorBody),
               (status = 413, body = moat_api::ErrorBody)))]
-pub async fn create(State(st): St, JsonBody(req): JsonBody<CreateSandboxRequest>) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+pub async fn create(
+    State(st): St,
+    JsonBody(req): JsonBody<CreateSandboxRequest>,
+) -> ApiResult<(StatusCode, Json<Sandbox>)> {
     let sbx = st.sandboxes.create(req).await?;
     Ok((StatusCode::CREATED, Json(sbx)))
 }
@@ -32,17 +35,26 @@ pub async fn list(State(st): St, req: Request) -> ApiResult<Json<SandboxList>> {
     let mut filter = ListFilter::default();
     for (k, _) in form_urlencoded::parse(q.unwrap_or("").as_bytes()) {
         if k != "state" && k != "metadata" {
-            return Err(ApiError::invalid(&k, format!("unknown query parameter {k:?} (state, metadata)")));
+            return Err(ApiError::invalid(
+                &k,
+                format!("unknown query parameter {k:?} (state, metadata)"),
+            ));
         }
     }
     if let Some(s) = query_values(q, "state").last() {
-        filter.state = Some(s.parse::<SandboxState>().map_err(|m| ApiError::invalid("state", m))?);
+        filter.state = Some(
+            s.parse::<SandboxState>()
+                .map_err(|m| ApiError::invalid("state", m))?,
+        );
     }
     let mut md = BTreeMap::new();
     for kv in query_values(q, "metadata") {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| ApiError::invalid("metadata", format!("metadata filter {kv:?} must be key=value")))?;
+        let (k, v) = kv.split_once('=').ok_or_else(|| {
+            ApiError::invalid(
+                "metadata",
+                format!("metadata filter {kv:?} must be key=value"),
+            )
+        })?;
         md.insert(k.to_string(), v.to_string());
     }
     filter.metadata = md;
@@ -70,6 +82,10 @@ pub async fn delete(State(st): St, Path(id): Path<String>) -> ApiResult<StatusCo
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", params(("id" = String, Path)),
     request_body = SetTimeoutRequest,
     responses((status = 200, body = Sandbox), (status = 400, body = moat_api::ErrorBody), (status = 404, body = moat_api::ErrorBody)))]
-pub async fn set_timeout(State(st): St, Path(id): Path<String>, JsonBody(req): JsonBody<SetTimeoutRequest>) -> ApiResult<Json<Sandbox>> {
+pub async fn set_timeout(
+    State(st): St,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<SetTimeoutRequest>,
+) -> ApiResult<Json<Sandbox>> {
     Ok(Json(st.sandboxes.set_timeout(&id, req.timeout)?))
 }

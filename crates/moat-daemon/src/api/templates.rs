@@ -17,7 +17,13 @@ use crate::template::store::to_api;
 /// List templates.
 #[utoipa::path(get, path = "/v1/templates", tag = "templates", responses((status = 200, body = TemplateList)))]
 pub async fn list(State(st): St) -> ApiResult<Json<TemplateList>> {
-    let templates = st.sandboxes.db.list_templates()?.iter().map(to_api).collect();
+    let templates = st
+        .sandboxes
+        .db
+        .list_templates()?
+        .iter()
+        .map(to_api)
+        .collect();
     Ok(Json(TemplateList { templates }))
 }
 
@@ -31,8 +37,15 @@ pub async fn get(State(st): St, Path(name): Path<String>) -> ApiResult<Json<Temp
 /// Register a root filesystem directory or tarball on the daemon's host as a template.
 #[utoipa::path(post, path = "/v1/templates", tag = "templates", request_body = RegisterTemplateRequest,
     responses((status = 201, body = Template), (status = 400, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
-pub async fn register(State(st): St, JsonBody(req): JsonBody<RegisterTemplateRequest>) -> ApiResult<(StatusCode, Json<Template>)> {
-    let t = st.sandboxes.templates.register(&st.sandboxes.db, &req.name, &req.path).await?;
+pub async fn register(
+    State(st): St,
+    JsonBody(req): JsonBody<RegisterTemplateRequest>,
+) -> ApiResult<(StatusCode, Json<Template>)> {
+    let t = st
+        .sandboxes
+        .templates
+        .register(&st.sandboxes.db, &req.name, &req.path)
+        .await?;
     Ok((StatusCode::CREATED, Json(t)))
 }
 
@@ -41,15 +54,22 @@ pub async fn register(State(st): St, JsonBody(req): JsonBody<RegisterTemplateReq
     responses((status = 200, description = "NDJSON stream of BuildEvent; the last line is `done` or `failed`", content_type = "application/x-ndjson", body = BuildEvent),
               (status = 400, body = moat_api::ErrorBody)))]
 pub async fn build(State(st): St, Path(name): Path<String>) -> ApiResult<Response> {
-    moat_api::validate_template_name(&name).map_err(|m| crate::error::ApiError::invalid("name", m))?;
+    moat_api::validate_template_name(&name)
+        .map_err(|m| crate::error::ApiError::invalid("name", m))?;
     let (tx, rx) = mpsc::channel::<BuildEvent>(256);
     let st2 = st.clone();
     // The build goes on if the client disconnects; its result is in the template's status.
     tokio::spawn(async move {
-        let result = st2.sandboxes.templates.build(&st2.sandboxes.db, &name, tx.clone()).await;
+        let result = st2
+            .sandboxes
+            .templates
+            .build(&st2.sandboxes.db, &name, tx.clone())
+            .await;
         let last = match result {
             Ok(template) => BuildEvent::Done { template },
-            Err(e) => BuildEvent::Failed { message: e.0.error.message },
+            Err(e) => BuildEvent::Failed {
+                message: e.0.error.message,
+            },
         };
         let _ = tx.send(last).await;
     });
@@ -58,13 +78,15 @@ pub async fn build(State(st): St, Path(name): Path<String>) -> ApiResult<Respons
         line.push(b'\n');
         Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line))
     });
-    Ok(Response::builder()
+    Response::builder()
         .header(http::header::CONTENT_TYPE, moat_api::NDJSON)
         .body(Body::from_stream(lines))
-        .map_err(crate::error::ApiError::internal)?)
+        .map_err(crate::error::ApiError::internal)
 }
 
-fn tokio_stream_from<T: Send + 'static>(mut rx: mpsc::Receiver<T>) -> impl futures::Stream<Item = T> {
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 

@@ -39,11 +39,20 @@ enum Control {
     params(("id" = String, Path), ("process" = String, Path, description = "pid or tag")),
     responses((status = 101, description = "WebSocket: binary = output/stdin bytes, text = JSON events/controls"),
               (status = 404, body = moat_api::ErrorBody)))]
-pub async fn process_ws(st: St, Path((id, process)): Path<(String, String)>, ws: WebSocketUpgrade) -> ApiResult<Response> {
+pub async fn process_ws(
+    st: St,
+    Path((id, process)): Path<(String, String)>,
+    ws: WebSocketUpgrade,
+) -> ApiResult<Response> {
     let sel = ProcessSelector::parse(&process).map_err(|m| ApiError::invalid("process", m))?;
     let agent = st.sandboxes.agent(&id).await?;
     let resp = agent
-        .send(http::Method::GET, &format!("/processes/{sel}/events?replay=true"), None, Body::empty())
+        .send(
+            http::Method::GET,
+            &format!("/processes/{sel}/events?replay=true"),
+            None,
+            Body::empty(),
+        )
         .await
         .map_err(|e| ApiError::internal(format!("sandbox {id}: agent unreachable: {e:#}")))?;
     if !resp.status().is_success() {
@@ -53,14 +62,16 @@ pub async fn process_ws(st: St, Path((id, process)): Path<(String, String)>, ws:
             .await
             .map(|c| c.to_bytes())
             .unwrap_or_default();
-        return Ok(Response::builder()
+        return Response::builder()
             .status(status)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Body::from(bytes))
-            .map_err(ApiError::internal)?);
+            .map_err(ApiError::internal);
     }
     let events = resp.into_body();
-    Ok(ws.on_upgrade(move |socket| bridge(socket, agent, sel.to_string(), events)).into_response())
+    Ok(ws
+        .on_upgrade(move |socket| bridge(socket, agent, sel.to_string(), events))
+        .into_response())
 }
 
 async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events: Incoming) {
@@ -78,13 +89,21 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
                 ProcessEvent::Stdout(c) | ProcessEvent::Stderr(c) | ProcessEvent::Pty(c) => {
                     let bytes = match (&c.data, &c.data_b64) {
                         (Some(d), _) => d.as_bytes().to_vec(),
-                        (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).unwrap_or_default(),
+                        (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                            .decode(b)
+                            .unwrap_or_default(),
                         _ => Vec::new(),
                     };
                     (Message::Binary(bytes.into()), false)
                 }
-                ProcessEvent::Exit(_) => (Message::Text(String::from_utf8_lossy(&line).into_owned().into()), true),
-                _ => (Message::Text(String::from_utf8_lossy(&line).into_owned().into()), false),
+                ProcessEvent::Exit(_) => (
+                    Message::Text(String::from_utf8_lossy(&line).into_owned().into()),
+                    true,
+                ),
+                _ => (
+                    Message::Text(String::from_utf8_lossy(&line).into_owned().into()),
+                    false,
+                ),
             };
             if out_tx.send(msg).await.is_err() || last {
                 break;
@@ -93,7 +112,9 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
     });
 
     // Stdin is one long streaming request to the agent, opened on the first input.
-    let mut stdin_tx: Option<mpsc::Sender<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>> = None;
+    let mut stdin_tx: Option<
+        mpsc::Sender<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>,
+    > = None;
     loop {
         tokio::select! {
             msg = out_rx.recv() => {
@@ -156,7 +177,10 @@ struct ReceiverStream<T>(mpsc::Receiver<T>);
 
 impl<T> futures::Stream for ReceiverStream<T> {
     type Item = T;
-    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
         self.0.poll_recv(cx)
     }
 }
@@ -170,7 +194,11 @@ struct NdjsonLines {
 
 impl NdjsonLines {
     fn new(body: Incoming) -> NdjsonLines {
-        NdjsonLines { body, buf: Vec::new(), done: false }
+        NdjsonLines {
+            body,
+            buf: Vec::new(),
+            done: false,
+        }
     }
 
     async fn next(&mut self) -> Option<Vec<u8>> {

@@ -109,7 +109,8 @@ impl CgroupLayout {
     pub fn create(&self, name: &str, limits: &Limits) -> Result<()> {
         if let CgroupLayout::V2 { root } = self {
             let parent = root.join(PARENT);
-            std::fs::create_dir_all(&parent).with_context(|| format!("mkdir {}", parent.display()))?;
+            std::fs::create_dir_all(&parent)
+                .with_context(|| format!("mkdir {}", parent.display()))?;
             // Controllers must be enabled top-down for the leaf to get their files.
             for dir in [root.clone(), parent.clone()] {
                 let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+cpu +memory +pids");
@@ -143,9 +144,15 @@ impl CgroupLayout {
             CgroupLayout::V1 { .. } => vec![
                 ("cpu.cfs_period_us".into(), CPU_PERIOD_US.to_string()),
                 ("cpu.cfs_quota_us".into(), quota.to_string()),
-                ("memory.limit_in_bytes".into(), limits.memory_bytes.to_string()),
+                (
+                    "memory.limit_in_bytes".into(),
+                    limits.memory_bytes.to_string(),
+                ),
                 // memsw = memory + swap; equal to the memory limit means no swap.
-                ("memory.memsw.limit_in_bytes".into(), limits.memory_bytes.to_string()),
+                (
+                    "memory.memsw.limit_in_bytes".into(),
+                    limits.memory_bytes.to_string(),
+                ),
                 ("pids.max".into(), limits.pids.to_string()),
             ],
         }
@@ -287,7 +294,10 @@ mod tests {
             l.file_in("sbx", "memory.max").unwrap(),
             PathBuf::from("/sys/fs/cgroup/moat/sbx/memory.max")
         );
-        assert_eq!(l.dirs("sbx"), vec![PathBuf::from("/sys/fs/cgroup/moat/sbx")]);
+        assert_eq!(
+            l.dirs("sbx"),
+            vec![PathBuf::from("/sys/fs/cgroup/moat/sbx")]
+        );
     }
 
     #[test]

@@ -28,7 +28,8 @@ struct MountAttr {
 }
 
 fn cpath(p: &Path) -> Result<CString> {
-    CString::new(p.as_os_str().as_bytes()).with_context(|| format!("path {} has a NUL byte", p.display()))
+    CString::new(p.as_os_str().as_bytes())
+        .with_context(|| format!("path {} has a NUL byte", p.display()))
 }
 
 /// Mounts `src` at `target` read-only, nosuid, nodev, with file ownership shifted through the user
@@ -47,7 +48,8 @@ pub fn idmapped_bind(src: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
         )
     };
     if fd < 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("open_tree {}", src.display()));
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("open_tree {}", src.display()));
     }
     // SAFETY: the syscall returned a fresh descriptor that nothing else owns.
     let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
@@ -84,7 +86,8 @@ pub fn idmapped_bind(src: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
         )
     };
     if rc < 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("move_mount to {}", target.display()));
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("move_mount to {}", target.display()));
     }
     Ok(())
 }
@@ -129,7 +132,8 @@ pub fn unmount_tree(target: &Path) -> Result<()> {
 
 /// Mount points at or below `dir`, from /proc/self/mountinfo.
 pub fn mounts_under(dir: &Path) -> Result<Vec<PathBuf>> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
+    let info =
+        std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
     Ok(parse_mount_points(&info)
         .into_iter()
         .filter(|p| p.starts_with(dir))
@@ -149,7 +153,10 @@ fn unescape_octal(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 4 <= b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -166,7 +173,10 @@ fn unescape_octal(s: &str) -> String {
 pub fn remove_unmounted_tree(dir: &Path) -> Result<()> {
     let left = mounts_under(dir)?;
     if !left.is_empty() {
-        bail!("refusing to remove {}: still mounted: {left:?}", dir.display());
+        bail!(
+            "refusing to remove {}: still mounted: {left:?}",
+            dir.display()
+        );
     }
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),

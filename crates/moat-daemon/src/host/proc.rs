@@ -30,7 +30,8 @@ pub fn is_same_process(pid: u32, ticks: u64) -> bool {
 
 /// Effective uid of `pid` on the host (from /proc/PID/status).
 pub fn host_uid(pid: u32) -> Result<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("read /proc/{pid}/status"))?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("read /proc/{pid}/status"))?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))
@@ -45,7 +46,8 @@ mod tests {
 
     #[test]
     fn start_ticks_of_stat_line() {
-        let line = "1234 (a b) c) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 200";
+        let line =
+            "1234 (a b) c) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 200";
         assert_eq!(parse_start_ticks(line), Some(98765));
     }
 

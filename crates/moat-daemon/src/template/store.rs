@@ -87,7 +87,9 @@ impl TemplateStore {
     pub async fn ensure(&self, db: &Db, name: &str) -> ApiResult<PathBuf> {
         match db.get_template(name)? {
             Some(t) if t.status == TemplateStatus::Ready => Ok(self.rootfs(name)),
-            Some(t) if t.status == TemplateStatus::Building => Err(ApiError::conflict(format!("template {name} is still building"))),
+            Some(t) if t.status == TemplateStatus::Building => Err(ApiError::conflict(format!(
+                "template {name} is still building"
+            ))),
             _ if name == BASE => {
                 tracing::info!("building the base template on first use");
                 let (tx, mut rx) = mpsc::channel(64);
@@ -100,26 +102,42 @@ impl TemplateStore {
                 "template {name} is not ready ({})",
                 t.error.unwrap_or_else(|| "failed".into())
             ))),
-            None => Err(ApiError::not_found("template", format!("template {name} not found"))),
+            None => Err(ApiError::not_found(
+                "template",
+                format!("template {name} not found"),
+            )),
         }
     }
 
     /// Builds `name` from Debian packages with debootstrap, reporting progress on `events`.
-    pub async fn build(&self, db: &Db, name: &str, events: mpsc::Sender<BuildEvent>) -> ApiResult<Template> {
+    pub async fn build(
+        &self,
+        db: &Db,
+        name: &str,
+        events: mpsc::Sender<BuildEvent>,
+    ) -> ApiResult<Template> {
         moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
         let _guard = self.build_lock.lock().await;
         if let Some(t) = db.get_template(name)? {
             if t.status == TemplateStatus::Ready && name == BASE {
-                let _ = events.send(BuildEvent::Log { line: format!("template {name} is already built") }).await;
+                let _ = events
+                    .send(BuildEvent::Log {
+                        line: format!("template {name} is already built"),
+                    })
+                    .await;
                 return Ok(to_api(&t));
             }
             if t.source != TemplateSource::Debootstrap && t.status == TemplateStatus::Ready {
-                return Err(ApiError::conflict(format!("template {name} was imported; remove it before building")));
+                return Err(ApiError::conflict(format!(
+                    "template {name} was imported; remove it before building"
+                )));
             }
         }
         let users = db.template_users(name)?;
         if users > 0 {
-            return Err(ApiError::conflict(format!("template {name} is used by {users} sandbox(es); remove them first")));
+            return Err(ApiError::conflict(format!(
+                "template {name} is used by {users} sandbox(es); remove them first"
+            )));
         }
         let opts = debootstrap::DebootstrapOptions::from_host(self.cache_dir.clone())?;
         self.produce(db, name, TemplateSource::Debootstrap, |target| {
@@ -134,14 +152,24 @@ impl TemplateStore {
         moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
         let src = PathBuf::from(path);
         if !src.is_absolute() {
-            return Err(ApiError::invalid("path", format!("path {path:?} must be absolute")));
+            return Err(ApiError::invalid(
+                "path",
+                format!("path {path:?} must be absolute"),
+            ));
         }
-        let meta = std::fs::metadata(&src).map_err(|e| ApiError::invalid("path", format!("{path}: {e}")))?;
+        let meta = std::fs::metadata(&src)
+            .map_err(|e| ApiError::invalid("path", format!("{path}: {e}")))?;
         let _guard = self.build_lock.lock().await;
         if db.get_template(name)?.is_some() {
-            return Err(ApiError::conflict(format!("template {name} exists already")));
+            return Err(ApiError::conflict(format!(
+                "template {name} exists already"
+            )));
         }
-        let source = if meta.is_dir() { TemplateSource::Directory } else { TemplateSource::Tarball };
+        let source = if meta.is_dir() {
+            TemplateSource::Directory
+        } else {
+            TemplateSource::Tarball
+        };
         self.produce(db, name, source, |target| async move {
             if meta.is_dir() {
                 import::import_directory(&src, &target).await
@@ -152,7 +180,13 @@ impl TemplateStore {
         .await
     }
 
-    async fn produce<F, Fut>(&self, db: &Db, name: &str, source: TemplateSource, make: F) -> ApiResult<Template>
+    async fn produce<F, Fut>(
+        &self,
+        db: &Db,
+        name: &str,
+        source: TemplateSource,
+        make: F,
+    ) -> ApiResult<Template>
     where
         F: FnOnce(PathBuf) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>>,
@@ -186,7 +220,10 @@ impl TemplateStore {
                 rec.status = TemplateStatus::Failed;
                 rec.error = Some(format!("{e:#}"));
                 db.upsert_template(&rec)?;
-                Err(ApiError::new(ErrorCode::Internal, format!("template {name}: {e:#}")))
+                Err(ApiError::new(
+                    ErrorCode::Internal,
+                    format!("template {name}: {e:#}"),
+                ))
             }
         }
     }
@@ -196,7 +233,9 @@ impl TemplateStore {
         self.get(db, name)?;
         let users = db.template_users(name)?;
         if users > 0 {
-            return Err(ApiError::conflict(format!("template {name} is used by {users} sandbox(es)")));
+            return Err(ApiError::conflict(format!(
+                "template {name} is used by {users} sandbox(es)"
+            )));
         }
         let dir = self.dir.join(name);
         crate::host::mount::remove_unmounted_tree(&dir)?;

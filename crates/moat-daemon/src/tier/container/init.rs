@@ -96,20 +96,53 @@ fn run(cfg: &InitConfig, sync: &mut UnixStream) -> Result<()> {
 /// Runs as PID 1 of the new pid namespace; only returns on error.
 fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
     nix::unistd::sethostname(&cfg.hostname).context("sethostname")?;
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .context("make / private")?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .context("make / private")?;
     let root = &cfg.rootfs;
-    mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-        .context("bind rootfs")?;
+    mount(
+        Some(root),
+        root,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .context("bind rootfs")?;
 
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     let proc_dir = mkdir(root, "proc")?;
-    mount(Some("proc"), &proc_dir, Some("proc"), nosuid_nodev_noexec, None::<&str>).context("mount /proc")?;
+    mount(
+        Some("proc"),
+        &proc_dir,
+        Some("proc"),
+        nosuid_nodev_noexec,
+        None::<&str>,
+    )
+    .context("mount /proc")?;
     let sys_dir = mkdir(root, "sys")?;
     // sysfs needs a network namespace of our own (we have one); read-only either way.
-    if mount(Some("sysfs"), &sys_dir, Some("sysfs"), nosuid_nodev_noexec | MsFlags::MS_RDONLY, None::<&str>).is_err() {
-        mount(Some("tmpfs"), &sys_dir, Some("tmpfs"), nosuid_nodev_noexec | MsFlags::MS_RDONLY, Some("size=4k"))
-            .context("mount /sys")?;
+    if mount(
+        Some("sysfs"),
+        &sys_dir,
+        Some("sysfs"),
+        nosuid_nodev_noexec | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+    .is_err()
+    {
+        mount(
+            Some("tmpfs"),
+            &sys_dir,
+            Some("tmpfs"),
+            nosuid_nodev_noexec | MsFlags::MS_RDONLY,
+            Some("size=4k"),
+        )
+        .context("mount /sys")?;
     }
     setup_dev(root, &cfg.agent)?;
 
@@ -122,7 +155,8 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
     let mut env = cfg.env.clone();
     env.entry("PATH".into())
         .or_insert_with(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
-    env.entry("HOSTNAME".into()).or_insert_with(|| cfg.hostname.clone());
+    env.entry("HOSTNAME".into())
+        .or_insert_with(|| cfg.hostname.clone());
     let envp: Vec<CString> = env
         .iter()
         .filter_map(|(k, v)| CString::new(format!("{k}={v}")).ok())
@@ -147,39 +181,77 @@ fn mkdir(root: &Path, rel: &str) -> Result<PathBuf> {
 /// create device nodes), a private devpts instance, /dev/shm, and the agent binary read-only.
 fn setup_dev(root: &Path, agent: &Path) -> Result<()> {
     let dev = mkdir(root, "dev")?;
-    mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=755,size=65536k"))
-        .context("mount /dev")?;
+    mount(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("mode=755,size=65536k"),
+    )
+    .context("mount /dev")?;
     for node in ["null", "zero", "full", "random", "urandom", "tty"] {
         let target = dev.join(node);
         std::fs::File::create(&target).with_context(|| format!("create /dev/{node}"))?;
-        mount(Some(&Path::new("/dev").join(node)), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .with_context(|| format!("bind /dev/{node}"))?;
+        mount(
+            Some(&Path::new("/dev").join(node)),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .with_context(|| format!("bind /dev/{node}"))?;
     }
     let pts = dev.join("pts");
     std::fs::create_dir(&pts).context("mkdir /dev/pts")?;
-    mount(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620,gid=5"))
-        .context("mount /dev/pts")?;
+    mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )
+    .context("mount /dev/pts")?;
     std::os::unix::fs::symlink("pts/ptmx", dev.join("ptmx")).context("symlink /dev/ptmx")?;
     let shm = dev.join("shm");
     std::fs::create_dir(&shm).context("mkdir /dev/shm")?;
-    mount(Some("tmpfs"), &shm, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=65536k"))
-        .context("mount /dev/shm")?;
+    mount(
+        Some("tmpfs"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777,size=65536k"),
+    )
+    .context("mount /dev/shm")?;
     for (name, target) in [
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        std::os::unix::fs::symlink(target, dev.join(name)).with_context(|| format!("symlink /dev/{name}"))?;
+        std::os::unix::fs::symlink(target, dev.join(name))
+            .with_context(|| format!("symlink /dev/{name}"))?;
     }
     let moat = dev.join(".moat");
     std::fs::create_dir(&moat).context("mkdir /dev/.moat")?;
     let agent_target = moat.join("agent");
     std::fs::File::create(&agent_target).context("create agent mount point")?;
-    mount(Some(agent), &agent_target, None::<&str>, MsFlags::MS_BIND, None::<&str>).context("bind agent")?;
+    mount(
+        Some(agent),
+        &agent_target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .context("bind agent")?;
     // A bind remount must keep the locked flags of the source mount, or the kernel refuses it.
-    let src_flags = nix::sys::statvfs::statvfs(agent).context("statvfs agent")?.flags();
-    let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    let src_flags = nix::sys::statvfs::statvfs(agent)
+        .context("statvfs agent")?
+        .flags();
+    let mut flags = MsFlags::MS_REMOUNT
+        | MsFlags::MS_BIND
+        | MsFlags::MS_RDONLY
+        | MsFlags::MS_NOSUID
+        | MsFlags::MS_NODEV;
     if src_flags.contains(nix::sys::statvfs::FsFlags::ST_NOEXEC) {
         flags |= MsFlags::MS_NOEXEC;
     }
@@ -189,6 +261,13 @@ fn setup_dev(root: &Path, agent: &Path) -> Result<()> {
     if src_flags.contains(nix::sys::statvfs::FsFlags::ST_RELATIME) {
         flags |= MsFlags::MS_RELATIME;
     }
-    mount(None::<&str>, &agent_target, None::<&str>, flags, None::<&str>).context("remount agent read-only")?;
+    mount(
+        None::<&str>,
+        &agent_target,
+        None::<&str>,
+        flags,
+        None::<&str>,
+    )
+    .context("remount agent read-only")?;
     Ok(())
 }

@@ -57,7 +57,9 @@ pub struct ContainerTier {
 impl ContainerTier {
     pub fn new(root: PathBuf, agent: PathBuf, uid_base: u32) -> Result<ContainerTier> {
         std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))?;
+        // 0711: the sandbox init (host uid of its range, not root) must traverse it to reach its rootfs;
+        // no one but root may list it.
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))?;
         if uid_base as u64 + MAX_SLOTS as u64 * IDS_PER_SANDBOX as u64 > u32::MAX as u64 {
             bail!("uid base {uid_base} leaves no room for {MAX_SLOTS} sandboxes of {IDS_PER_SANDBOX} ids");
         }
@@ -93,8 +95,12 @@ impl ContainerTier {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("mkdir {sub}"))?;
         }
         // The overlay's root directory is the upper layer's: make it the sandbox root's.
-        nix::unistd::chown(&dir.join("upper"), Some(host_uid.into()), Some(host_uid.into()))
-            .context("chown upper layer")?;
+        nix::unistd::chown(
+            &dir.join("upper"),
+            Some(host_uid.into()),
+            Some(host_uid.into()),
+        )
+        .context("chown upper layer")?;
         std::fs::set_permissions(dir.join("upper"), std::fs::Permissions::from_mode(0o755))?;
 
         self.cgroups.create(
@@ -130,10 +136,15 @@ impl ContainerTier {
         // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
-                // Move both out of the way first so neither dup2 clobbers the other.
-                let l = libc::fcntl(lfd, libc::F_DUPFD, 10);
-                let s = libc::fcntl(sfd, libc::F_DUPFD, 10);
-                if l < 0 || s < 0 || libc::dup2(l, init::LISTEN_FD) < 0 || libc::dup2(s, init::SYNC_FD) < 0 {
+                // Move both out of the way first (close-on-exec, so the copies die at exec) so neither dup2
+                // clobbers the other; dup2 clears close-on-exec on 3 and 4.
+                let l = libc::fcntl(lfd, libc::F_DUPFD_CLOEXEC, 10);
+                let s = libc::fcntl(sfd, libc::F_DUPFD_CLOEXEC, 10);
+                if l < 0
+                    || s < 0
+                    || libc::dup2(l, init::LISTEN_FD) < 0
+                    || libc::dup2(s, init::SYNC_FD) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -150,10 +161,18 @@ impl ContainerTier {
         result
     }
 
-    fn finish_start(&self, spec: &SandboxSpec, dir: &Path, host_uid: u32, helper: u32, sync: &mut UnixStream) -> Result<ContainerState> {
+    fn finish_start(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        host_uid: u32,
+        helper: u32,
+        sync: &mut UnixStream,
+    ) -> Result<ContainerState> {
         sync.set_read_timeout(Some(Duration::from_secs(30)))?;
         let mut b = [0u8; 1];
-        sync.read_exact(&mut b).context("init helper did not start")?;
+        sync.read_exact(&mut b)
+            .context("init helper did not start")?;
         if b[0] != b'U' {
             bail!("init helper: unexpected sync byte");
         }
@@ -164,7 +183,12 @@ impl ContainerTier {
             .context("open user namespace")?
             .into();
         mount::idmapped_bind(&spec.template_rootfs, &dir.join("lower"), &userns)?;
-        mount::overlay(&dir.join("lower"), &dir.join("upper"), &dir.join("work"), &dir.join("rootfs"))?;
+        mount::overlay(
+            &dir.join("lower"),
+            &dir.join("upper"),
+            &dir.join("work"),
+            &dir.join("rootfs"),
+        )?;
         self.cgroups.add_process(&spec.id, helper)?;
         sync.write_all(b"G").context("release init helper")?;
 
@@ -182,7 +206,8 @@ impl ContainerTier {
             bail!("sandbox init failed: {}", errors.join("; "));
         }
         let agent_pid = agent_pid.ok_or_else(|| anyhow!("sandbox init reported no pid"))?;
-        let agent_start_ticks = proc::start_ticks(agent_pid).ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
+        let agent_start_ticks = proc::start_ticks(agent_pid)
+            .ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
         Ok(ContainerState {
             agent_pid,
             agent_start_ticks,
@@ -194,7 +219,10 @@ impl ContainerTier {
         if let Some(s) = &state {
             if proc::is_same_process(s.agent_pid, s.agent_start_ticks) {
                 // Killing PID 1 of a pid namespace kills every process in it.
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(s.agent_pid as i32), nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(s.agent_pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
         let killed = self.cgroups.kill_all(id, Duration::from_secs(10));
@@ -214,7 +242,9 @@ fn reap(pid: u32) {
     let p = nix::unistd::Pid::from_raw(pid as i32);
     for _ in 0..100 {
         match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-            Ok(nix::sys::wait::WaitStatus::StillAlive) => std::thread::sleep(Duration::from_millis(10)),
+            Ok(nix::sys::wait::WaitStatus::StillAlive) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
             _ => return,
         }
     }
@@ -234,7 +264,10 @@ impl IsolationTier for ContainerTier {
         TierInfo {
             isolation: Isolation::Container,
             available: true,
-            note: Some(format!("cgroup {}", if self.cgroups.is_v2() { "v2" } else { "v1" })),
+            note: Some(format!(
+                "cgroup {}",
+                if self.cgroups.is_v2() { "v2" } else { "v1" }
+            )),
         }
     }
 
@@ -247,7 +280,8 @@ impl IsolationTier for ContainerTier {
             Err(e) => {
                 let this = self.clone_handle();
                 let id = spec.id.clone();
-                let cleanup = tokio::task::spawn_blocking(move || this.destroy_blocking(&id, None)).await?;
+                let cleanup =
+                    tokio::task::spawn_blocking(move || this.destroy_blocking(&id, None)).await?;
                 if let Err(c) = cleanup {
                     tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
                 }
@@ -296,7 +330,9 @@ impl IsolationTier for ContainerTier {
         }
         let mut removed = Vec::new();
         for name in names.into_iter().filter(|n| !live.contains(n)) {
-            self.destroy(&name, None).await.with_context(|| format!("sweep {name}"))?;
+            self.destroy(&name, None)
+                .await
+                .with_context(|| format!("sweep {name}"))?;
             removed.push(name);
         }
         Ok(removed)

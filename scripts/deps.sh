@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs the Debian packages moat and its tests need. Idempotent: apt is skipped entirely when every
+# package is already installed.
+set -euo pipefail
+
+packages=(
+    debootstrap       # builds the `base` template
+    debian-archive-keyring
+    iproute2          # ip netns / veth
+    nftables          # egress policy
+    util-linux        # unshare, mount, nsenter
+    tar gzip xz-utils zstd
+    ca-certificates
+    procps psmisc
+    file              # scripts/build-agent.sh checks the agent is static
+    busybox-static    # tiny root filesystems for fast tests
+    coreutils
+)
+
+missing=()
+for p in "${packages[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)
+    if [[ "$status" != ii* ]]; then
+        missing+=("$p")
+    fi
+done
+
+if ((${#missing[@]} > 0)); then
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "error: missing packages (${missing[*]}); run as root to install them" >&2
+        exit 1
+    fi
+    echo "deps: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    cat >&2 <<'MSG'
+error: cargo not found. Install Rust with rustup (https://rustup.rs), for example:
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y
+    . "$HOME/.cargo/env"
+then run this script again.
+MSG
+    exit 1
+fi

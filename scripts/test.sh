@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs moat's whole test suite: formatting, lints, and every test (sandbox tests need root).
+# Usage (as root): scripts/test.sh [cargo test arguments...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ $(id -u) -ne 0 ]]; then
+    echo "error: scripts/test.sh must run as root (the tests create real sandboxes)" >&2
+    exit 1
+fi
+
+# rustup's default install puts cargo here; a root shell started with sudo may not have it on PATH.
+if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
+    # shellcheck source=/dev/null
+    . "$HOME/.cargo/env"
+fi
+bash scripts/deps.sh
+
+echo "== cargo fmt"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== static agent"
+MOAT_AGENT=$(bash scripts/build-agent.sh)
+export MOAT_AGENT
+echo "MOAT_AGENT=$MOAT_AGENT"
+
+echo "== cargo test"
+cargo test --workspace "$@"
