@@ -1,0 +1,342 @@
+//! Test harness: a real `moat serve` daemon on a loopback port with its own data directory, a client for
+//! it, and host-side probes (mounts, cgroups, processes) that the isolation and no-leak tests read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use moat_api::{CreateSandboxRequest, ExitStatus, ProcessEvent, Sandbox, StartProcessRequest};
+use moat_client::Client;
+
+pub fn moat_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_moat")
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+/// The static agent: `MOAT_AGENT`, or the debug build `scripts/build-agent.sh` leaves in target/.
+pub fn agent_path() -> PathBuf {
+    if let Ok(p) = std::env::var("MOAT_AGENT") {
+        return PathBuf::from(p);
+    }
+    let p = workspace_root().join("target/x86_64-unknown-linux-gnu/debug/moat-agent");
+    assert!(
+        p.is_file(),
+        "no static agent at {}: run scripts/build-agent.sh (or scripts/test.sh) first, or set MOAT_AGENT",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A daemon process. Dropping it does not stop it (sandboxes are meant to outlive daemons); tests that
+/// start their own call `stop` or `kill9`.
+pub struct Daemon {
+    pub url: String,
+    pub data_dir: PathBuf,
+    pub port: u16,
+    child: Mutex<Option<Child>>,
+}
+
+impl Daemon {
+    pub fn start(data_dir: &Path) -> Daemon {
+        let port = free_port();
+        let d = Daemon {
+            url: format!("http://127.0.0.1:{port}"),
+            data_dir: data_dir.to_path_buf(),
+            port,
+            child: Mutex::new(None),
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&self) {
+        std::fs::create_dir_all(&self.data_dir).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.data_dir.join("daemon.log"))
+            .unwrap();
+        let child = Command::new(moat_bin())
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port), "--data-dir"])
+            .arg(&self.data_dir)
+            .arg("--agent")
+            .arg(agent_path())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start moat serve");
+        *self.child.lock().unwrap() = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                break;
+            }
+            if let Some(status) = self.child.lock().unwrap().as_mut().unwrap().try_wait().unwrap() {
+                panic!("daemon exited with {status}; see {}/daemon.log", self.data_dir.display());
+            }
+            assert!(Instant::now() < deadline, "daemon did not listen within 60 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.lock().unwrap().as_ref().unwrap().id()
+    }
+
+    pub fn api_key(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("api-key")).unwrap().trim().to_string()
+    }
+
+    pub fn client(&self) -> Client {
+        Client::new(&self.url, self.api_key()).unwrap()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    /// SIGTERM and wait.
+    pub fn stop(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            c.wait().unwrap();
+        }
+    }
+
+    pub fn restart(&self) {
+        self.spawn();
+    }
+
+    /// VmRSS of the daemon in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+}
+
+/// The daemon most tests share, with the `base` template built (debootstrap on the first run; the data
+/// dir persists under target/ so later local runs reuse it). Started once per test binary and stopped
+/// when the binary exits.
+pub fn shared() -> &'static Daemon {
+    static SHARED: OnceLock<Daemon> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        let dir = std::env::var("MOAT_TEST_DATA_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| workspace_root().join("target/moat-e2e"));
+        let d = Daemon::start(&dir);
+        let client = d.client();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let mut events = client.build_template("base").await.expect("build base template");
+            let mut last = None;
+            while let Some(ev) = events.next().await {
+                last = Some(ev.expect("build event"));
+            }
+            match last {
+                Some(moat_api::BuildEvent::Done { .. }) => {}
+                other => panic!("base template build did not finish: {other:?}"),
+            }
+        });
+        d
+    })
+}
+
+pub fn shared_client() -> Client {
+    shared().client()
+}
+
+/// Creates a sandbox from `base` with a short timeout; deleted by `Sbx::drop`... explicitly via `delete`.
+pub async fn create(client: &Client, template: &str) -> Sandbox {
+    client
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some(template.into()),
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .expect("create sandbox")
+}
+
+/// Output of a finished command.
+#[derive(Debug, Default)]
+pub struct Output {
+    pub stdout: String,
+    pub stderr: String,
+    pub exit: ExitStatus,
+    pub pid: u32,
+}
+
+pub fn decode(c: &moat_api::OutputChunk) -> Vec<u8> {
+    use base64::Engine;
+    match (&c.data, &c.data_b64) {
+        (Some(d), _) => d.as_bytes().to_vec(),
+        (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).unwrap(),
+        _ => Vec::new(),
+    }
+}
+
+pub async fn run_req(client: &Client, id: &str, req: StartProcessRequest) -> Output {
+    let mut events = client.start_process_stream(id, &req).await.expect("start process");
+    let mut out = Output::default();
+    let (mut so, mut se) = (Vec::new(), Vec::new());
+    let mut exited = false;
+    while let Some(ev) = events.next().await {
+        match ev.expect("process event") {
+            ProcessEvent::Start { pid, .. } => out.pid = pid,
+            ProcessEvent::Stdout(c) | ProcessEvent::Pty(c) => so.extend(decode(&c)),
+            ProcessEvent::Stderr(c) => se.extend(decode(&c)),
+            ProcessEvent::Dropped { bytes } => panic!("{bytes} bytes dropped in a foreground stream"),
+            ProcessEvent::Exit(e) => {
+                out.exit = e;
+                exited = true;
+            }
+        }
+    }
+    assert!(exited, "stream ended without an exit event");
+    out.stdout = String::from_utf8_lossy(&so).into_owned();
+    out.stderr = String::from_utf8_lossy(&se).into_owned();
+    out
+}
+
+/// Runs `sh -c CMD` as root and returns its output.
+pub async fn sh(client: &Client, id: &str, cmd: &str) -> Output {
+    run_req(
+        client,
+        id,
+        StartProcessRequest {
+            cmd: Some(vec!["/bin/sh".into(), "-c".into(), cmd.into()]),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Host-side facts about a sandbox, read before it is deleted so the no-leak checks know what to look for.
+#[derive(Debug, Clone)]
+pub struct HostFacts {
+    pub id: String,
+    pub pids: Vec<u32>,
+    pub host_uid: u32,
+    pub netns: String,
+    pub pidns: String,
+}
+
+pub fn cgroup_procs(id: &str) -> Vec<u32> {
+    std::fs::read_to_string(format!("/sys/fs/cgroup/pids/moat/{id}/cgroup.procs"))
+        .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{id}/cgroup.procs")))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+pub fn uid_of(pid: u32) -> u32 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+pub fn host_facts(id: &str) -> HostFacts {
+    let pids = cgroup_procs(id);
+    assert!(!pids.is_empty(), "sandbox {id} has no processes in its cgroup");
+    let pid1 = *pids.iter().min().unwrap();
+    HostFacts {
+        id: id.to_string(),
+        host_uid: uid_of(pid1),
+        netns: std::fs::read_link(format!("/proc/{pid1}/ns/net")).unwrap().display().to_string(),
+        pidns: std::fs::read_link(format!("/proc/{pid1}/ns/pid")).unwrap().display().to_string(),
+        pids,
+    }
+}
+
+/// Asserts nothing of the sandbox is left on the host: no mount, cgroup, directory, process, namespace.
+pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(&facts.id), "mount left for {}:\n{mountinfo}", facts.id);
+    for c in ["pids", "memory", "cpu", "cpuacct", "freezer"] {
+        let p = format!("/sys/fs/cgroup/{c}/moat/{}", facts.id);
+        assert!(!Path::new(&p).exists(), "cgroup {p} left");
+    }
+    assert!(!Path::new(&format!("/sys/fs/cgroup/moat/{}", facts.id)).exists());
+    let dir = data_dir.join("sandboxes").join(&facts.id);
+    assert!(!dir.exists(), "{} left", dir.display());
+    let mut namespaces_in_use = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap_or("");
+            let zombie = status.lines().any(|l| l.starts_with("State:") && l.contains('Z'));
+            assert!(
+                zombie || !uid_line.split_whitespace().any(|u| u == facts.host_uid.to_string()),
+                "process {pid} still runs as the sandbox's host uid {}",
+                facts.host_uid
+            );
+        }
+        for ns in ["net", "pid"] {
+            if let Ok(l) = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")) {
+                namespaces_in_use.push(l.display().to_string());
+            }
+        }
+    }
+    assert!(!namespaces_in_use.contains(&facts.netns), "network namespace {} still in use", facts.netns);
+    assert!(!namespaces_in_use.contains(&facts.pidns), "pid namespace {} still in use", facts.pidns);
+    let netns = Command::new("ip").args(["netns", "list"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    assert!(!netns.contains(&facts.id), "ip netns lists {}", facts.id);
+}
+
+/// Polls `f` until it is true or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    f()
+}
+
+pub fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// A tiny busybox root filesystem (from Debian's busybox-static) for tests that need their own daemon.
+pub fn busybox_rootfs(dir: &Path) -> PathBuf {
+    let root = dir.join("bbroot");
+    for d in ["bin", "etc", "root", "tmp"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"].into_iter().find(|p| Path::new(p).exists()).expect("busybox-static is installed");
+    std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
+    for c in ["sh", "echo", "cat", "sleep", "ls", "id", "hostname", "ps", "true", "kill"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(c)).unwrap();
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    std::fs::write(root.join("etc/group"), "root:x:0:\n").unwrap();
+    root
+}

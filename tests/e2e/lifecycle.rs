@@ -1,0 +1,113 @@
+//! Sandbox lifecycle: create with options, list and filter, timeouts, concurrent creates, no leaks.
+
+use std::time::Duration;
+
+use moat_api::{CreateSandboxRequest, SandboxState};
+use moat_client::SandboxFilter;
+
+use crate::harness::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn create_list_filter_get_and_limits() {
+    let d = shared();
+    let c = d.client();
+    let tag = format!("run-{}", std::process::id());
+    let s = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("base".into()),
+            timeout: Some(120),
+            env: env(&[("PROJECT", "moat")]),
+            metadata: env(&[("suite", &tag), ("role", "lifecycle")]),
+            cpu: Some(0.5),
+            memory_mb: Some(256),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(s.id.starts_with("sbx_") && s.id.len() == 30);
+    assert_eq!(s.state, SandboxState::Running);
+    assert_eq!(s.env_keys, vec!["PROJECT".to_string()]);
+    assert_eq!((s.cpu, s.memory_mb), (0.5, 256));
+    let out = sh(&c, &s.id, "echo $PROJECT").await;
+    assert_eq!(out.stdout, "moat\n");
+
+    // Limits reached the cgroup.
+    let mem = std::fs::read_to_string(format!("/sys/fs/cgroup/memory/moat/{}/memory.limit_in_bytes", s.id))
+        .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{}/memory.max", s.id)))
+        .unwrap();
+    assert_eq!(mem.trim(), (256u64 << 20).to_string());
+
+    let other = create(&c, "base").await;
+    let found = c
+        .list_sandboxes(&SandboxFilter { metadata: env(&[("suite", &tag)]), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(found.iter().map(|x| x.id.as_str()).collect::<Vec<_>>(), vec![s.id.as_str()]);
+    let none = c
+        .list_sandboxes(&SandboxFilter { metadata: env(&[("suite", &tag), ("role", "other")]), ..Default::default() })
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+    let running = c.list_sandboxes(&SandboxFilter { state: Some(SandboxState::Running), ..Default::default() }).await.unwrap();
+    assert!(running.iter().any(|x| x.id == other.id) && running.iter().any(|x| x.id == s.id));
+
+    let got = c.get_sandbox(&s.id).await.unwrap();
+    assert_eq!(got.metadata.get("role").map(String::as_str), Some("lifecycle"));
+    let before = got.expires_at.clone();
+    let extended = c.set_timeout(&s.id, 3600).await.unwrap();
+    assert!(extended.expires_at > before, "{} !> {before}", extended.expires_at);
+
+    for id in [&s.id, &other.id] {
+        let facts = host_facts(id);
+        c.delete_sandbox(id).await.unwrap();
+        assert_no_leaks(&facts, &d.data_dir);
+        assert!(c.get_sandbox(id).await.unwrap_err().is_not_found());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn timeout_kills_and_cleans_up() {
+    let d = shared();
+    let c = d.client();
+    let s = c
+        .create_sandbox(&CreateSandboxRequest { template: Some("base".into()), timeout: Some(2), ..Default::default() })
+        .await
+        .unwrap();
+    sh(&c, &s.id, "sleep 1000 > /dev/null 2>&1 &").await;
+    let facts = host_facts(&s.id);
+    let gone = eventually(Duration::from_secs(15), || !d.data_dir.join("sandboxes").join(&s.id).exists()).await;
+    assert!(gone, "sandbox still there after its timeout");
+    assert!(c.get_sandbox(&s.id).await.unwrap_err().is_not_found());
+    assert_no_leaks(&facts, &d.data_dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_concurrent_creates() {
+    let c = shared_client();
+    let creates = (0..20).map(|_| {
+        let c = c.clone();
+        async move { create(&c, "base").await }
+    });
+    let sandboxes = futures::future::join_all(creates).await;
+    let mut ids: Vec<_> = sandboxes.iter().map(|s| s.id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 20);
+    let runs = sandboxes.iter().map(|s| {
+        let c = c.clone();
+        let id = s.id.clone();
+        async move { sh(&c, &id, "hostname").await.stdout }
+    });
+    let names = futures::future::join_all(runs).await;
+    for (s, name) in sandboxes.iter().zip(names) {
+        assert_eq!(name.trim(), s.hostname);
+    }
+    let deletes = ids.iter().map(|id| {
+        let c = c.clone();
+        let id = id.clone();
+        async move { c.delete_sandbox(&id).await }
+    });
+    for r in futures::future::join_all(deletes).await {
+        r.unwrap();
+    }
+}

@@ -1,0 +1,12 @@
+//! End-to-end tests: a real daemon, real sandboxes (namespaces, cgroups, overlayfs), real clients.
+//! They need root, like moat itself; `scripts/test.sh` runs them.
+
+mod harness;
+
+mod bad_input;
+mod cli;
+mod commands;
+mod files;
+mod isolation;
+mod lifecycle;
+mod restart;
