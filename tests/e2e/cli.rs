@@ -17,24 +17,45 @@ fn moat(args: &[&str]) -> Output {
 
 fn ok(args: &[&str]) -> String {
     let o = moat(args);
-    assert!(o.status.success(), "moat {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "moat {args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8(o.stdout).unwrap()
 }
 
 #[test]
 fn cli_end_to_end() {
-    let created: serde_json::Value = serde_json::from_str(&ok(&["--json", "create", "--template", "base", "--metadata", "via=cli"])).unwrap();
+    let created: serde_json::Value = serde_json::from_str(&ok(&[
+        "--json",
+        "create",
+        "--template",
+        "base",
+        "--metadata",
+        "via=cli",
+    ]))
+    .unwrap();
     let id = created["id"].as_str().unwrap().to_string();
 
-    assert_eq!(ok(&["exec", &id, "--", "python3", "-c", "print(6*7)"]), "42\n");
+    assert_eq!(
+        ok(&["exec", &id, "--", "python3", "-c", "print(6*7)"]),
+        "42\n"
+    );
     let o = moat(&["exec", &id, "--", "sh", "-c", "echo to-err >&2; exit 5"]);
     assert_eq!(o.status.code(), Some(5));
     assert_eq!(String::from_utf8_lossy(&o.stderr), "to-err\n");
     let o = moat(&["exec", &id, "--", "sh", "-c", "kill -TERM $$"]);
     assert_eq!(o.status.code(), Some(128 + 15));
 
-    let listed: serde_json::Value = serde_json::from_str(&ok(&["--json", "ls", "--metadata", "via=cli"])).unwrap();
-    let ids: Vec<&str> = listed.as_array().unwrap().iter().filter_map(|s| s["id"].as_str()).collect();
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&["--json", "ls", "--metadata", "via=cli"])).unwrap();
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
     assert_eq!(ids, vec![id.as_str()]);
     let inspected: serde_json::Value = serde_json::from_str(&ok(&["inspect", &id])).unwrap();
     assert_eq!(inspected["metadata"]["via"], "cli");
@@ -45,14 +66,38 @@ fn cli_end_to_end() {
     std::fs::create_dir_all(src.join("sub")).unwrap();
     std::fs::write(src.join("a.txt"), "alpha").unwrap();
     std::fs::write(src.join("sub/b.txt"), "beta").unwrap();
-    ok(&["cp", src.join("a.txt").to_str().unwrap(), &format!("{id}:/tmp/a.txt")]);
+    ok(&[
+        "cp",
+        src.join("a.txt").to_str().unwrap(),
+        &format!("{id}:/tmp/a.txt"),
+    ]);
     ok(&["cp", src.to_str().unwrap(), &format!("{id}:/srv/tree")]);
-    assert_eq!(ok(&["exec", &id, "--", "cat", "/tmp/a.txt", "/srv/tree/sub/b.txt"]), "alphabeta");
+    assert_eq!(
+        ok(&[
+            "exec",
+            &id,
+            "--",
+            "cat",
+            "/tmp/a.txt",
+            "/srv/tree/sub/b.txt"
+        ]),
+        "alphabeta"
+    );
     let back = tmp.path().join("back");
     ok(&["cp", &format!("{id}:/srv/tree"), back.to_str().unwrap()]);
-    assert_eq!(std::fs::read_to_string(back.join("sub/b.txt")).unwrap(), "beta");
-    ok(&["cp", &format!("{id}:/tmp/a.txt"), tmp.path().join("a-back.txt").to_str().unwrap()]);
-    assert_eq!(std::fs::read_to_string(tmp.path().join("a-back.txt")).unwrap(), "alpha");
+    assert_eq!(
+        std::fs::read_to_string(back.join("sub/b.txt")).unwrap(),
+        "beta"
+    );
+    ok(&[
+        "cp",
+        &format!("{id}:/tmp/a.txt"),
+        tmp.path().join("a-back.txt").to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("a-back.txt")).unwrap(),
+        "alpha"
+    );
 
     ok(&["rm", &id]);
     let o = moat(&["inspect", &id]);
@@ -61,9 +106,29 @@ fn cli_end_to_end() {
 
     // run: create, exec, delete in one go, with the command's exit code.
     let label = format!("run={}", std::process::id());
-    let o = moat(&["run", "--template", "base", "--metadata", &label, "--", "sh", "-c", "hostname; exit 4"]);
-    assert_eq!(o.status.code(), Some(4), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = moat(&[
+        "run",
+        "--template",
+        "base",
+        "--metadata",
+        &label,
+        "--",
+        "sh",
+        "-c",
+        "hostname; exit 4",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("sbx-"));
-    let left: serde_json::Value = serde_json::from_str(&ok(&["--json", "ls", "--metadata", &label])).unwrap();
-    assert_eq!(left.as_array().unwrap().len(), 0, "run left its sandbox behind");
+    let left: serde_json::Value =
+        serde_json::from_str(&ok(&["--json", "ls", "--metadata", &label])).unwrap();
+    assert_eq!(
+        left.as_array().unwrap().len(),
+        0,
+        "run left its sandbox behind"
+    );
 }

@@ -13,15 +13,27 @@ use crate::harness::*;
 async fn python_exit_codes_and_signals() {
     let c = shared_client();
     let s = create(&c, "base").await;
-    let out = run_req(&c, &s.id, StartProcessRequest {
-        cmd: Some(vec!["python3".into(), "-c".into(), "print(6*7)".into()]),
-        ..Default::default()
-    })
+    let out = run_req(
+        &c,
+        &s.id,
+        StartProcessRequest {
+            cmd: Some(vec!["python3".into(), "-c".into(), "print(6*7)".into()]),
+            ..Default::default()
+        },
+    )
     .await;
     assert_eq!(out.stdout, "42\n");
     assert_eq!(out.exit.exit_code, Some(0));
 
-    let out = run_req(&c, &s.id, StartProcessRequest { command: Some("exit 3".into()), ..Default::default() }).await;
+    let out = run_req(
+        &c,
+        &s.id,
+        StartProcessRequest {
+            command: Some("exit 3".into()),
+            ..Default::default()
+        },
+    )
+    .await;
     assert_eq!(out.exit.exit_code, Some(3));
     assert_eq!(out.exit.signal, None);
 
@@ -33,24 +45,47 @@ async fn python_exit_codes_and_signals() {
 
     // A program that does not exist is a clear 400, not a hang.
     let err = c
-        .start_process_stream(&s.id, &StartProcessRequest { cmd: Some(vec!["no-such-program".into()]), ..Default::default() })
+        .start_process_stream(
+            &s.id,
+            &StartProcessRequest {
+                cmd: Some(vec!["no-such-program".into()]),
+                ..Default::default()
+            },
+        )
         .await
         .err()
         .expect("must fail");
-    assert_eq!(err.code(), Some(moat_api::ErrorCode::InvalidArgument), "{err}");
+    assert_eq!(
+        err.code(),
+        Some(moat_api::ErrorCode::InvalidArgument),
+        "{err}"
+    );
 
     // Command timeout kills the process group and says so.
-    let out = run_req(&c, &s.id, StartProcessRequest { command: Some("sleep 30".into()), timeout: Some(0.5), ..Default::default() }).await;
+    let out = run_req(
+        &c,
+        &s.id,
+        StartProcessRequest {
+            command: Some("sleep 30".into()),
+            timeout: Some(0.5),
+            ..Default::default()
+        },
+    )
+    .await;
     assert!(out.exit.timed_out, "{:?}", out.exit);
 
     // env, cwd and user.
-    let out = run_req(&c, &s.id, StartProcessRequest {
-        command: Some("echo $GREETING; pwd; id -un".into()),
-        env: env(&[("GREETING", "hello")]),
-        cwd: Some("/tmp".into()),
-        user: Some("user".into()),
-        ..Default::default()
-    })
+    let out = run_req(
+        &c,
+        &s.id,
+        StartProcessRequest {
+            command: Some("echo $GREETING; pwd; id -un".into()),
+            env: env(&[("GREETING", "hello")]),
+            cwd: Some("/tmp".into()),
+            user: Some("user".into()),
+            ..Default::default()
+        },
+    )
     .await;
     assert_eq!(out.stdout, "hello\n/tmp\nuser\n");
     c.delete_sandbox(&s.id).await.unwrap();
@@ -61,13 +96,16 @@ async fn background_stdin_signal_and_reattach() {
     let c = shared_client();
     let s = create(&c, "base").await;
     let info = match c
-        .start_process(&s.id, &StartProcessRequest {
-            command: Some("cat; echo done".into()),
-            stdin: true,
-            background: true,
-            tag: Some("catter".into()),
-            ..Default::default()
-        })
+        .start_process(
+            &s.id,
+            &StartProcessRequest {
+                command: Some("cat; echo done".into()),
+                stdin: true,
+                background: true,
+                tag: Some("catter".into()),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap()
     {
@@ -76,9 +114,13 @@ async fn background_stdin_signal_and_reattach() {
     };
     assert!(info.running);
     let listed = c.list_processes(&s.id).await.unwrap();
-    assert!(listed.iter().any(|p| p.pid == info.pid && p.tag.as_deref() == Some("catter")));
+    assert!(listed
+        .iter()
+        .any(|p| p.pid == info.pid && p.tag.as_deref() == Some("catter")));
     c.send_stdin(&s.id, "catter", "abc\n").await.unwrap();
-    c.send_stdin(&s.id, &info.pid.to_string(), "def\n").await.unwrap();
+    c.send_stdin(&s.id, &info.pid.to_string(), "def\n")
+        .await
+        .unwrap();
     c.close_stdin(&s.id, "catter").await.unwrap();
     // Re-attach later: the output kept since the start is replayed, then the exit.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -97,14 +139,23 @@ async fn background_stdin_signal_and_reattach() {
 
     // A signal to a background process ends it with that signal.
     let info = match c
-        .start_process(&s.id, &StartProcessRequest { command: Some("sleep 100".into()), background: true, ..Default::default() })
+        .start_process(
+            &s.id,
+            &StartProcessRequest {
+                command: Some("sleep 100".into()),
+                background: true,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap()
     {
         ProcessStart::Background(i) => i,
         other => panic!("{other:?}"),
     };
-    c.signal(&s.id, &info.pid.to_string(), "SIGTERM").await.unwrap();
+    c.signal(&s.id, &info.pid.to_string(), "SIGTERM")
+        .await
+        .unwrap();
     let mut ev = c.attach(&s.id, &info.pid.to_string(), false).await.unwrap();
     let mut exit = None;
     while let Some(e) = ev.next().await {
@@ -121,12 +172,15 @@ async fn pty_over_websocket() {
     let c = shared_client();
     let s = create(&c, "base").await;
     let info = match c
-        .start_process(&s.id, &StartProcessRequest {
-            cmd: Some(vec!["/bin/bash".into(), "--norc".into(), "-i".into()]),
-            pty: Some(PtySize { cols: 80, rows: 24 }),
-            background: true,
-            ..Default::default()
-        })
+        .start_process(
+            &s.id,
+            &StartProcessRequest {
+                cmd: Some(vec!["/bin/bash".into(), "--norc".into(), "-i".into()]),
+                pty: Some(PtySize { cols: 80, rows: 24 }),
+                background: true,
+                ..Default::default()
+            },
+        )
         .await
         .unwrap()
     {
@@ -135,8 +189,14 @@ async fn pty_over_websocket() {
     };
     assert!(info.pty);
     let mut ws = c.attach_ws(&s.id, &info.pid.to_string()).await.unwrap();
-    ws.send(Message::Text(r#"{"type":"resize","cols":100,"rows":40}"#.into())).await.unwrap();
-    ws.send(Message::Binary(b"stty size; tty; exit 7\n".to_vec().into())).await.unwrap();
+    ws.send(Message::Text(
+        r#"{"type":"resize","cols":100,"rows":40}"#.into(),
+    ))
+    .await
+    .unwrap();
+    ws.send(Message::Binary(b"stty size; tty; exit 7\n".to_vec()))
+        .await
+        .unwrap();
     let mut screen = Vec::new();
     let mut exit = None;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -166,7 +226,12 @@ async fn fifty_concurrent_commands_in_one_sandbox() {
     let runs = (0..50).map(|i| {
         let c = c.clone();
         let id = s.id.clone();
-        async move { (i, sh(&c, &id, &format!("echo {i}; exit $(({i} % 7))")).await) }
+        async move {
+            (
+                i,
+                sh(&c, &id, &format!("echo {i}; exit $(({i} % 7))")).await,
+            )
+        }
     });
     let results = futures::future::join_all(runs).await;
     for (i, out) in results {
@@ -184,7 +249,13 @@ async fn output_flood_keeps_daemon_memory_bounded() {
     let before = d.rss_kib();
     // 200 MB of output through a stream the test reads slowly at first.
     let mut ev = c
-        .start_process_stream(&s.id, &StartProcessRequest { command: Some("head -c 200000000 /dev/zero | base64 -w 1000".into()), ..Default::default() })
+        .start_process_stream(
+            &s.id,
+            &StartProcessRequest {
+                command: Some("head -c 200000000 /dev/zero | base64 -w 1000".into()),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -202,6 +273,9 @@ async fn output_flood_keeps_daemon_memory_bounded() {
     }
     assert!(total > 200_000_000, "{total}");
     let grew = peak.saturating_sub(before);
-    assert!(grew < 64 * 1024, "daemon RSS grew by {grew} KiB for 270 MB of output");
+    assert!(
+        grew < 64 * 1024,
+        "daemon RSS grew by {grew} KiB for 270 MB of output"
+    );
     c.delete_sandbox(&s.id).await.unwrap();
 }

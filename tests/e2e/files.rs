@@ -40,7 +40,10 @@ async fn hundred_megabyte_round_trip_keeps_sha256_and_daemon_memory() {
     let before = d.rss_kib();
     let total = 100 << 20;
     let (body, hasher) = body_stream(total);
-    let info = c.write_file(&s.id, "/home/user/big.bin", body, &WriteOptions::default()).await.unwrap();
+    let info = c
+        .write_file(&s.id, "/home/user/big.bin", body, &WriteOptions::default())
+        .await
+        .unwrap();
     assert_eq!(info.size, total as u64);
     let sent = hex::encode(hasher.lock().unwrap().clone().finalize());
     let mid = d.rss_kib();
@@ -61,7 +64,10 @@ async fn hundred_megabyte_round_trip_keeps_sha256_and_daemon_memory() {
     assert_eq!(n, total);
     assert_eq!(hex::encode(h.finalize()), sent);
     let grew = peak.max(mid).saturating_sub(before);
-    assert!(grew < 48 * 1024, "daemon RSS grew by {grew} KiB moving 200 MB");
+    assert!(
+        grew < 48 * 1024,
+        "daemon RSS grew by {grew} KiB moving 200 MB"
+    );
     c.delete_sandbox(&s.id).await.unwrap();
 }
 
@@ -70,12 +76,45 @@ async fn file_operations() {
     let c = shared_client();
     let s = create(&c, "base").await;
     let id = &s.id;
-    let r = c.mkdir(id, &MkdirRequest { path: "/work/a/b".into(), user: None }).await.unwrap();
+    let r = c
+        .mkdir(
+            id,
+            &MkdirRequest {
+                path: "/work/a/b".into(),
+                user: None,
+            },
+        )
+        .await
+        .unwrap();
     assert!(r.created);
-    assert!(!c.mkdir(id, &MkdirRequest { path: "/work/a/b".into(), user: None }).await.unwrap().created);
-    c.write_file(id, "/work/a/b/f.txt", "hello", &WriteOptions { mode: Some("0600".into()), user: Some("user".into()) }).await.unwrap();
+    assert!(
+        !c.mkdir(
+            id,
+            &MkdirRequest {
+                path: "/work/a/b".into(),
+                user: None
+            }
+        )
+        .await
+        .unwrap()
+        .created
+    );
+    c.write_file(
+        id,
+        "/work/a/b/f.txt",
+        "hello",
+        &WriteOptions {
+            mode: Some("0600".into()),
+            user: Some("user".into()),
+        },
+    )
+    .await
+    .unwrap();
     let st = c.stat(id, "/work/a/b/f.txt").await.unwrap();
-    assert_eq!((st.size, st.mode, st.uid, st.file_type), (5, 0o600, 1000, FileType::File));
+    assert_eq!(
+        (st.size, st.mode, st.uid, st.file_type),
+        (5, 0o600, 1000, FileType::File)
+    );
     assert!(c.exists(id, "/work/a/b/f.txt").await.unwrap());
     assert!(!c.exists(id, "/work/nope").await.unwrap());
     let listing = c.list_dir(id, "/work", Some(3)).await.unwrap();
@@ -83,13 +122,21 @@ async fn file_operations() {
     assert_eq!(paths, ["/work/a", "/work/a/b", "/work/a/b/f.txt"]);
     let one = c.list_dir(id, "/work", Some(1)).await.unwrap();
     assert_eq!(one.len(), 1);
-    let moved = c.rename(id, "/work/a/b/f.txt", "/work/g.txt").await.unwrap();
+    let moved = c
+        .rename(id, "/work/a/b/f.txt", "/work/g.txt")
+        .await
+        .unwrap();
     assert_eq!(moved.path, "/work/g.txt");
     assert_eq!(read_all(&c, id, "/work/g.txt").await, b"hello");
     // Atomic replace: the new content, the old mode.
-    c.write_file(id, "/work/g.txt", "bye", &WriteOptions::default()).await.unwrap();
+    c.write_file(id, "/work/g.txt", "bye", &WriteOptions::default())
+        .await
+        .unwrap();
     assert_eq!(read_all(&c, id, "/work/g.txt").await, b"bye");
-    let e = c.remove(id, "/work/a", false).await.err().expect("non-empty dir without recursive");
+    let e = c
+        .remove(id, "/work/a", false)
+        .await
+        .expect_err("non-empty dir without recursive");
     assert_eq!(e.code(), Some(moat_api::ErrorCode::Conflict));
     c.remove(id, "/work/a", true).await.unwrap();
     assert!(!c.exists(id, "/work/a").await.unwrap());
@@ -97,14 +144,26 @@ async fn file_operations() {
     assert!(e.is_not_found());
 
     // Directory round trip as tar.
-    sh(&c, id, "mkdir -p /src/d && echo one > /src/d/1 && ln -s 1 /src/d/link && chmod 751 /src/d").await;
+    sh(
+        &c,
+        id,
+        "mkdir -p /src/d && echo one > /src/d/1 && ln -s 1 /src/d/link && chmod 751 /src/d",
+    )
+    .await;
     let mut tar = c.download_tar(id, "/src").await.unwrap();
     let mut bytes = Vec::new();
     while let Some(b) = tar.next().await {
         bytes.extend_from_slice(&b.unwrap());
     }
-    c.upload_tar(id, "/dst", reqwest::Body::from(bytes)).await.unwrap();
-    let out = sh(&c, id, "cat /dst/d/1; readlink /dst/d/link; stat -c %a /dst/d").await;
+    c.upload_tar(id, "/dst", reqwest::Body::from(bytes))
+        .await
+        .unwrap();
+    let out = sh(
+        &c,
+        id,
+        "cat /dst/d/1; readlink /dst/d/link; stat -c %a /dst/d",
+    )
+    .await;
     assert_eq!(out.stdout, "one\n1\n751\n");
 
     // Watch sees a file created after it started.
@@ -121,6 +180,10 @@ async fn file_operations() {
             break;
         }
     }
-    assert!(seen.iter().any(|e| e.path == "/work/sub/new.txt" && e.kind == FsEventKind::Create), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|e| e.path == "/work/sub/new.txt" && e.kind == FsEventKind::Create),
+        "{seen:?}"
+    );
     c.delete_sandbox(id).await.unwrap();
 }

@@ -16,7 +16,10 @@ pub fn moat_bin() -> &'static str {
 }
 
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
 }
 
 /// The static agent: `MOAT_AGENT`, or the debug build `scripts/build-agent.sh` leaves in target/.
@@ -34,7 +37,11 @@ pub fn agent_path() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A daemon process. Dropping it does not stop it (sandboxes are meant to outlive daemons); tests that
@@ -43,7 +50,12 @@ pub struct Daemon {
     pub url: String,
     pub data_dir: PathBuf,
     pub port: u16,
-    child: Mutex<Option<Child>>,
+    child: Mutex<Option<Running>>,
+}
+
+struct Running {
+    pid: u32,
+    exit: std::sync::mpsc::Receiver<String>,
 }
 
 impl Daemon {
@@ -66,37 +78,67 @@ impl Daemon {
             .append(true)
             .open(self.data_dir.join("daemon.log"))
             .unwrap();
-        let child = Command::new(moat_bin())
-            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port), "--data-dir"])
-            .arg(&self.data_dir)
-            .arg("--agent")
-            .arg(agent_path())
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start moat serve");
-        *self.child.lock().unwrap() = Some(child);
+        let mut cmd = Command::new(moat_bin());
+        cmd.args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{}", self.port),
+            "--data-dir",
+        ])
+        .arg(&self.data_dir)
+        .arg("--agent")
+        .arg(agent_path())
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+        // SAFETY: prctl is async-signal-safe. The daemon gets SIGTERM when the thread that forked it
+        // ends; that thread (below) lives until the daemon exits or the test binary does.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let (pid_tx, pid_rx) = std::sync::mpsc::channel();
+        let (exit_tx, exit_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut child: Child = cmd.spawn().expect("start moat serve");
+            pid_tx.send(child.id()).unwrap();
+            let status = child.wait();
+            let _ = exit_tx.send(status.map(|s| s.to_string()).unwrap_or_default());
+        });
+        let pid = pid_rx.recv().unwrap();
+        *self.child.lock().unwrap() = Some(Running { pid, exit: exit_rx });
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
                 break;
             }
-            if let Some(status) = self.child.lock().unwrap().as_mut().unwrap().try_wait().unwrap() {
-                panic!("daemon exited with {status}; see {}/daemon.log", self.data_dir.display());
+            if let Ok(status) = self.child.lock().unwrap().as_ref().unwrap().exit.try_recv() {
+                panic!(
+                    "daemon exited with {status}; see {}/daemon.log",
+                    self.data_dir.display()
+                );
             }
-            assert!(Instant::now() < deadline, "daemon did not listen within 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not listen within 60 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.lock().unwrap().as_ref().unwrap().id()
+        self.child.lock().unwrap().as_ref().unwrap().pid
     }
 
     pub fn api_key(&self) -> String {
-        std::fs::read_to_string(self.data_dir.join("api-key")).unwrap().trim().to_string()
+        std::fs::read_to_string(self.data_dir.join("api-key"))
+            .unwrap()
+            .trim()
+            .to_string()
     }
 
     pub fn client(&self) -> Client {
@@ -105,17 +147,18 @@ impl Daemon {
 
     /// SIGKILL, as a crash would.
     pub fn kill9(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
+        self.signal_and_wait(nix::sys::signal::Signal::SIGKILL);
     }
 
     /// SIGTERM and wait.
     pub fn stop(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
-            c.wait().unwrap();
+        self.signal_and_wait(nix::sys::signal::Signal::SIGTERM);
+    }
+
+    fn signal_and_wait(&self, sig: nix::sys::signal::Signal) {
+        if let Some(r) = self.child.lock().unwrap().take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(r.pid as i32), sig);
+            let _ = r.exit.recv_timeout(Duration::from_secs(30));
         }
     }
 
@@ -145,9 +188,15 @@ pub fn shared() -> &'static Daemon {
             .unwrap_or_else(|_| workspace_root().join("target/moat-e2e"));
         let d = Daemon::start(&dir);
         let client = d.client();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async {
-            let mut events = client.build_template("base").await.expect("build base template");
+            let mut events = client
+                .build_template("base")
+                .await
+                .expect("build base template");
             let mut last = None;
             while let Some(ev) = events.next().await {
                 last = Some(ev.expect("build event"));
@@ -196,7 +245,10 @@ pub fn decode(c: &moat_api::OutputChunk) -> Vec<u8> {
 }
 
 pub async fn run_req(client: &Client, id: &str, req: StartProcessRequest) -> Output {
-    let mut events = client.start_process_stream(id, &req).await.expect("start process");
+    let mut events = client
+        .start_process_stream(id, &req)
+        .await
+        .expect("start process");
     let mut out = Output::default();
     let (mut so, mut se) = (Vec::new(), Vec::new());
     let mut exited = false;
@@ -205,7 +257,9 @@ pub async fn run_req(client: &Client, id: &str, req: StartProcessRequest) -> Out
             ProcessEvent::Start { pid, .. } => out.pid = pid,
             ProcessEvent::Stdout(c) | ProcessEvent::Pty(c) => so.extend(decode(&c)),
             ProcessEvent::Stderr(c) => se.extend(decode(&c)),
-            ProcessEvent::Dropped { bytes } => panic!("{bytes} bytes dropped in a foreground stream"),
+            ProcessEvent::Dropped { bytes } => {
+                panic!("{bytes} bytes dropped in a foreground stream")
+            }
             ProcessEvent::Exit(e) => {
                 out.exit = e;
                 exited = true;
@@ -261,13 +315,22 @@ pub fn uid_of(pid: u32) -> u32 {
 
 pub fn host_facts(id: &str) -> HostFacts {
     let pids = cgroup_procs(id);
-    assert!(!pids.is_empty(), "sandbox {id} has no processes in its cgroup");
+    assert!(
+        !pids.is_empty(),
+        "sandbox {id} has no processes in its cgroup"
+    );
     let pid1 = *pids.iter().min().unwrap();
     HostFacts {
         id: id.to_string(),
         host_uid: uid_of(pid1),
-        netns: std::fs::read_link(format!("/proc/{pid1}/ns/net")).unwrap().display().to_string(),
-        pidns: std::fs::read_link(format!("/proc/{pid1}/ns/pid")).unwrap().display().to_string(),
+        netns: std::fs::read_link(format!("/proc/{pid1}/ns/net"))
+            .unwrap()
+            .display()
+            .to_string(),
+        pidns: std::fs::read_link(format!("/proc/{pid1}/ns/pid"))
+            .unwrap()
+            .display()
+            .to_string(),
         pids,
     }
 }
@@ -275,7 +338,11 @@ pub fn host_facts(id: &str) -> HostFacts {
 /// Asserts nothing of the sandbox is left on the host: no mount, cgroup, directory, process, namespace.
 pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mountinfo.contains(&facts.id), "mount left for {}:\n{mountinfo}", facts.id);
+    assert!(
+        !mountinfo.contains(&facts.id),
+        "mount left for {}:\n{mountinfo}",
+        facts.id
+    );
     for c in ["pids", "memory", "cpu", "cpuacct", "freezer"] {
         let p = format!("/sys/fs/cgroup/{c}/moat/{}", facts.id);
         assert!(!Path::new(&p).exists(), "cgroup {p} left");
@@ -283,29 +350,21 @@ pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
     assert!(!Path::new(&format!("/sys/fs/cgroup/moat/{}", facts.id)).exists());
     let dir = data_dir.join("sandboxes").join(&facts.id);
     assert!(!dir.exists(), "{} left", dir.display());
-    let mut namespaces_in_use = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
-            let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap_or("");
-            let zombie = status.lines().any(|l| l.starts_with("State:") && l.contains('Z'));
-            assert!(
-                zombie || !uid_line.split_whitespace().any(|u| u == facts.host_uid.to_string()),
-                "process {pid} still runs as the sandbox's host uid {}",
-                facts.host_uid
-            );
-        }
-        for ns in ["net", "pid"] {
-            if let Ok(l) = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")) {
-                namespaces_in_use.push(l.display().to_string());
-            }
+    // An agent re-parented to the host's init (after a daemon restart) is reaped by init, which may
+    // take a moment: give namespaces held by such zombies a few seconds to go.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match namespace_holders(facts) {
+            None => break,
+            Some(who) if Instant::now() > deadline => panic!("{who}"),
+            Some(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     }
-    assert!(!namespaces_in_use.contains(&facts.netns), "network namespace {} still in use", facts.netns);
-    assert!(!namespaces_in_use.contains(&facts.pidns), "pid namespace {} still in use", facts.pidns);
-    let netns = Command::new("ip").args(["netns", "list"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let netns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
     assert!(!netns.contains(&facts.id), "ip netns lists {}", facts.id);
 }
 
@@ -322,7 +381,10 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
 }
 
 pub fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 /// A tiny busybox root filesystem (from Debian's busybox-static) for tests that need their own daemon.
@@ -331,12 +393,65 @@ pub fn busybox_rootfs(dir: &Path) -> PathBuf {
     for d in ["bin", "etc", "root", "tmp"] {
         std::fs::create_dir_all(root.join(d)).unwrap();
     }
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"].into_iter().find(|p| Path::new(p).exists()).expect("busybox-static is installed");
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("busybox-static is installed");
     std::fs::copy(busybox, root.join("bin/busybox")).unwrap();
-    for c in ["sh", "echo", "cat", "sleep", "ls", "id", "hostname", "ps", "true", "kill"] {
+    for c in [
+        "sh", "echo", "cat", "sleep", "ls", "id", "hostname", "ps", "true", "kill",
+    ] {
         std::os::unix::fs::symlink("busybox", root.join("bin").join(c)).unwrap();
     }
     std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
     std::fs::write(root.join("etc/group"), "root:x:0:\n").unwrap();
     root
+}
+
+/// Waits until the API no longer knows the sandbox (its row goes last, after the host cleanup).
+pub async fn wait_not_found(c: &Client, id: &str) {
+    for _ in 0..100 {
+        match c.get_sandbox(id).await {
+            Err(e) if e.is_not_found() => return,
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    panic!("sandbox {id} still listed");
+}
+
+/// A process that still runs as the sandbox's host uid or holds one of its namespaces, if any.
+fn namespace_holders(facts: &HostFacts) -> Option<String> {
+    let mut namespaces_in_use: Vec<(String, String)> = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap_or("");
+            let zombie = status
+                .lines()
+                .any(|l| l.starts_with("State:") && l.contains('Z'));
+            let as_sandbox_uid = uid_line
+                .split_whitespace()
+                .any(|u| u == facts.host_uid.to_string());
+            if !zombie && as_sandbox_uid {
+                return Some(format!(
+                    "process {pid} still runs as the sandbox's host uid {}",
+                    facts.host_uid
+                ));
+            }
+        }
+        for ns in ["net", "pid"] {
+            if let Ok(l) = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")) {
+                let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                    .unwrap_or_default()
+                    .replace('\0', " ");
+                namespaces_in_use.push((l.display().to_string(), format!("pid {pid}: {cmd}")));
+            }
+        }
+    }
+    namespaces_in_use
+        .into_iter()
+        .find(|(ns, _)| ns == &facts.netns || ns == &facts.pidns)
+        .map(|(ns, who)| format!("namespace {ns} of {} still in use by {who}", facts.id))
 }

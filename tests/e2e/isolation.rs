@@ -9,24 +9,51 @@ async fn sandbox_is_isolated_from_host() {
     let s = create(&c, "base").await;
 
     // PID 1 is the agent, and only the sandbox's own processes are visible.
-    let out = sh(&c, &s.id, "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'").await;
+    let out = sh(
+        &c,
+        &s.id,
+        "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'",
+    )
+    .await;
     let mut lines = out.stdout.lines();
-    assert!(lines.next().unwrap().starts_with("moat-agent "), "{}", out.stdout);
+    assert!(
+        lines.next().unwrap().starts_with("moat-agent "),
+        "{}",
+        out.stdout
+    );
     let visible: u32 = lines.next().unwrap().trim().parse().unwrap();
-    assert!(visible <= 5, "{visible} processes visible inside:\n{}", out.stdout);
-    let host_procs = std::fs::read_dir("/proc").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok()).count();
-    assert!(host_procs > visible as usize + 5, "host has {host_procs} processes");
+    assert!(
+        visible <= 5,
+        "{visible} processes visible inside:\n{}",
+        out.stdout
+    );
+    let host_procs = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+        .count();
+    assert!(
+        host_procs > visible as usize + 5,
+        "host has {host_procs} processes"
+    );
 
     // Its own hostname.
     let out = sh(&c, &s.id, "hostname").await;
     assert_eq!(out.stdout.trim(), s.hostname);
-    assert_ne!(out.stdout.trim(), nix::unistd::gethostname().unwrap().to_string_lossy());
+    assert_ne!(
+        out.stdout.trim(),
+        nix::unistd::gethostname().unwrap().to_string_lossy()
+    );
 
     // Root inside, an unprivileged uid on the host.
     let out = sh(&c, &s.id, "id -u; cat /proc/self/uid_map").await;
     assert!(out.stdout.starts_with("0\n"), "{}", out.stdout);
     let facts = host_facts(&s.id);
-    assert!(facts.host_uid >= 100_000, "sandbox root is host uid {}", facts.host_uid);
+    assert!(
+        facts.host_uid >= 100_000,
+        "sandbox root is host uid {}",
+        facts.host_uid
+    );
     for pid in &facts.pids {
         assert_eq!(uid_of(*pid), facts.host_uid);
     }
@@ -34,30 +61,65 @@ async fn sandbox_is_isolated_from_host() {
     // A host file is invisible inside.
     let marker = format!("moat-host-marker-{}", std::process::id());
     std::fs::write(format!("/root/{marker}"), "secret").unwrap();
-    let out = sh(&c, &s.id, &format!("cat /root/{marker} 2>&1; ls /root; find / -xdev -name '{marker}' 2>/dev/null | wc -l")).await;
+    let out = sh(
+        &c,
+        &s.id,
+        &format!(
+            "cat /root/{marker} 2>&1; ls /root; find / -xdev -name '{marker}' 2>/dev/null | wc -l"
+        ),
+    )
+    .await;
     std::fs::remove_file(format!("/root/{marker}")).unwrap();
     assert!(!out.stdout.contains("secret"), "{}", out.stdout);
     assert!(out.stdout.trim_end().ends_with('0'), "{}", out.stdout);
 
     // A file written inside lands only in the sandbox's own writable layer.
     let inside = format!("inside-marker-{}", std::process::id());
-    let out = sh(&c, &s.id, &format!("echo data > /etc/{inside} && echo data > /tmp/{inside} && echo ok")).await;
+    let out = sh(
+        &c,
+        &s.id,
+        &format!("echo data > /etc/{inside} && echo data > /tmp/{inside} && echo ok"),
+    )
+    .await;
     assert_eq!(out.stdout, "ok\n");
     assert!(!std::path::Path::new(&format!("/etc/{inside}")).exists());
     assert!(!std::path::Path::new(&format!("/tmp/{inside}")).exists());
     let template_etc = d.data_dir.join("templates/base/rootfs/etc").join(&inside);
     assert!(!template_etc.exists(), "write leaked into the template");
-    let upper = d.data_dir.join("sandboxes").join(&s.id).join("upper/etc").join(&inside);
+    let upper = d
+        .data_dir
+        .join("sandboxes")
+        .join(&s.id)
+        .join("upper/etc")
+        .join(&inside);
     assert!(upper.exists(), "write is not in the sandbox's own layer");
     use std::os::unix::fs::MetadataExt;
-    assert_eq!(std::fs::metadata(&upper).unwrap().uid(), facts.host_uid, "files of sandbox root are owned by its host uid");
+    assert_eq!(
+        std::fs::metadata(&upper).unwrap().uid(),
+        facts.host_uid,
+        "files of sandbox root are owned by its host uid"
+    );
 
     // Escapes through the file API resolve inside the sandbox.
-    let out = sh(&c, &s.id, "ln -s / /tmp/rootlink && ln -s /etc/hostname /tmp/hn && echo ok").await;
+    let out = sh(
+        &c,
+        &s.id,
+        "ln -s / /tmp/rootlink && ln -s /etc/hostname /tmp/hn && echo ok",
+    )
+    .await;
     assert_eq!(out.stdout, "ok\n");
-    for path in ["/tmp/hn", "/tmp/rootlink/etc/hostname", "../../../../etc/hostname", "/../../etc/hostname"] {
+    for path in [
+        "/tmp/hn",
+        "/tmp/rootlink/etc/hostname",
+        "../../../../etc/hostname",
+        "/../../etc/hostname",
+    ] {
         let bytes = read_all(&c, &s.id, path).await;
-        assert_eq!(String::from_utf8_lossy(&bytes).trim(), "moat", "{path} must read the sandbox's /etc/hostname");
+        assert_eq!(
+            String::from_utf8_lossy(&bytes).trim(),
+            "moat",
+            "{path} must read the sandbox's /etc/hostname"
+        );
     }
     c.delete_sandbox(&s.id).await.unwrap();
     assert_no_leaks(&facts, &d.data_dir);
@@ -65,7 +127,10 @@ async fn sandbox_is_isolated_from_host() {
 
 pub async fn read_all(c: &moat_client::Client, id: &str, path: &str) -> Vec<u8> {
     use futures::StreamExt;
-    let mut st = c.read_file(id, path).await.unwrap_or_else(|e| panic!("read {path}: {e}"));
+    let mut st = c
+        .read_file(id, path)
+        .await
+        .unwrap_or_else(|e| panic!("read {path}: {e}"));
     let mut v = Vec::new();
     while let Some(b) = st.next().await {
         v.extend_from_slice(&b.unwrap());
@@ -78,13 +143,21 @@ async fn sandboxes_do_not_see_each_other() {
     let c = shared_client();
     let a = create(&c, "base").await;
     let b = create(&c, "base").await;
-    let out = sh(&c, &a.id, "echo from-a > /tmp/shared && sleep 0.2 && echo ok").await;
+    let out = sh(
+        &c,
+        &a.id,
+        "echo from-a > /tmp/shared && sleep 0.2 && echo ok",
+    )
+    .await;
     assert_eq!(out.stdout, "ok\n");
     let out = sh(&c, &b.id, "cat /tmp/shared 2>&1 || echo missing").await;
     assert!(out.stdout.contains("missing"), "{}", out.stdout);
     let fa = host_facts(&a.id);
     let fb = host_facts(&b.id);
-    assert_ne!(fa.host_uid, fb.host_uid, "each sandbox has its own host uid range");
+    assert_ne!(
+        fa.host_uid, fb.host_uid,
+        "each sandbox has its own host uid range"
+    );
     assert_ne!(fa.netns, fb.netns);
     c.delete_sandbox(&a.id).await.unwrap();
     c.delete_sandbox(&b.id).await.unwrap();

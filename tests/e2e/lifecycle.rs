@@ -32,30 +32,55 @@ async fn create_list_filter_get_and_limits() {
     assert_eq!(out.stdout, "moat\n");
 
     // Limits reached the cgroup.
-    let mem = std::fs::read_to_string(format!("/sys/fs/cgroup/memory/moat/{}/memory.limit_in_bytes", s.id))
-        .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{}/memory.max", s.id)))
-        .unwrap();
+    let mem = std::fs::read_to_string(format!(
+        "/sys/fs/cgroup/memory/moat/{}/memory.limit_in_bytes",
+        s.id
+    ))
+    .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{}/memory.max", s.id)))
+    .unwrap();
     assert_eq!(mem.trim(), (256u64 << 20).to_string());
 
     let other = create(&c, "base").await;
     let found = c
-        .list_sandboxes(&SandboxFilter { metadata: env(&[("suite", &tag)]), ..Default::default() })
+        .list_sandboxes(&SandboxFilter {
+            metadata: env(&[("suite", &tag)]),
+            ..Default::default()
+        })
         .await
         .unwrap();
-    assert_eq!(found.iter().map(|x| x.id.as_str()).collect::<Vec<_>>(), vec![s.id.as_str()]);
+    assert_eq!(
+        found.iter().map(|x| x.id.as_str()).collect::<Vec<_>>(),
+        vec![s.id.as_str()]
+    );
     let none = c
-        .list_sandboxes(&SandboxFilter { metadata: env(&[("suite", &tag), ("role", "other")]), ..Default::default() })
+        .list_sandboxes(&SandboxFilter {
+            metadata: env(&[("suite", &tag), ("role", "other")]),
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert!(none.is_empty());
-    let running = c.list_sandboxes(&SandboxFilter { state: Some(SandboxState::Running), ..Default::default() }).await.unwrap();
+    let running = c
+        .list_sandboxes(&SandboxFilter {
+            state: Some(SandboxState::Running),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert!(running.iter().any(|x| x.id == other.id) && running.iter().any(|x| x.id == s.id));
 
     let got = c.get_sandbox(&s.id).await.unwrap();
-    assert_eq!(got.metadata.get("role").map(String::as_str), Some("lifecycle"));
+    assert_eq!(
+        got.metadata.get("role").map(String::as_str),
+        Some("lifecycle")
+    );
     let before = got.expires_at.clone();
     let extended = c.set_timeout(&s.id, 3600).await.unwrap();
-    assert!(extended.expires_at > before, "{} !> {before}", extended.expires_at);
+    assert!(
+        extended.expires_at > before,
+        "{} !> {before}",
+        extended.expires_at
+    );
 
     for id in [&s.id, &other.id] {
         let facts = host_facts(id);
@@ -70,14 +95,21 @@ async fn timeout_kills_and_cleans_up() {
     let d = shared();
     let c = d.client();
     let s = c
-        .create_sandbox(&CreateSandboxRequest { template: Some("base".into()), timeout: Some(2), ..Default::default() })
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("base".into()),
+            timeout: Some(2),
+            ..Default::default()
+        })
         .await
         .unwrap();
     sh(&c, &s.id, "sleep 1000 > /dev/null 2>&1 &").await;
     let facts = host_facts(&s.id);
-    let gone = eventually(Duration::from_secs(15), || !d.data_dir.join("sandboxes").join(&s.id).exists()).await;
+    let gone = eventually(Duration::from_secs(15), || {
+        !d.data_dir.join("sandboxes").join(&s.id).exists()
+    })
+    .await;
     assert!(gone, "sandbox still there after its timeout");
-    assert!(c.get_sandbox(&s.id).await.unwrap_err().is_not_found());
+    wait_not_found(&c, &s.id).await;
     assert_no_leaks(&facts, &d.data_dir);
 }
 
@@ -110,4 +142,25 @@ async fn twenty_concurrent_creates() {
     for r in futures::future::join_all(deletes).await {
         r.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_whose_pid1_dies_is_removed() {
+    let d = shared();
+    let c = d.client();
+    let s = create(&c, "base").await;
+    let facts = host_facts(&s.id);
+    let pid1 = *facts.pids.iter().min().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid1 as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let gone = eventually(Duration::from_secs(15), || {
+        !d.data_dir.join("sandboxes").join(&s.id).exists()
+    })
+    .await;
+    assert!(gone, "sandbox with a dead PID 1 was not removed");
+    wait_not_found(&c, &s.id).await;
+    assert_no_leaks(&facts, &d.data_dir);
 }

@@ -15,13 +15,26 @@ async fn sandboxes_survive_daemon_kill9() {
     let rootfs = busybox_rootfs(tmp.path());
     let d = Daemon::start(&tmp.path().join("data"));
     let c = d.client();
-    c.register_template(&RegisterTemplateRequest { name: "bb".into(), path: rootfs.display().to_string() }).await.unwrap();
+    c.register_template(&RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
     let keep = c
-        .create_sandbox(&CreateSandboxRequest { template: Some("bb".into()), timeout: Some(600), ..Default::default() })
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("bb".into()),
+            timeout: Some(600),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let short = c
-        .create_sandbox(&CreateSandboxRequest { template: Some("bb".into()), timeout: Some(600), ..Default::default() })
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("bb".into()),
+            timeout: Some(600),
+            ..Default::default()
+        })
         .await
         .unwrap();
     let bg = StartProcessRequest {
@@ -30,22 +43,39 @@ async fn sandboxes_survive_daemon_kill9() {
         tag: Some("ticker".into()),
         ..Default::default()
     };
-    let ProcessStart::Background(ticker) = c.start_process(&keep.id, &bg).await.unwrap() else { panic!() };
+    let ProcessStart::Background(ticker) = c.start_process(&keep.id, &bg).await.unwrap() else {
+        panic!()
+    };
     let keep_facts = host_facts(&keep.id);
     let short_facts = host_facts(&short.id);
 
     d.kill9();
     // While the daemon is down the sandbox goes on running.
-    assert!(keep_facts.pids.iter().all(|p| std::path::Path::new(&format!("/proc/{p}")).exists()));
+    assert!(keep_facts
+        .pids
+        .iter()
+        .all(|p| std::path::Path::new(&format!("/proc/{p}")).exists()));
     d.restart();
     let c = d.client();
 
-    let listed: Vec<_> = c.list_sandboxes(&Default::default()).await.unwrap().into_iter().map(|s| s.id).collect();
-    assert!(listed.contains(&keep.id) && listed.contains(&short.id), "{listed:?}");
+    let listed: Vec<_> = c
+        .list_sandboxes(&Default::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert!(
+        listed.contains(&keep.id) && listed.contains(&short.id),
+        "{listed:?}"
+    );
     let out = sh(&c, &keep.id, "echo still here").await;
     assert_eq!(out.stdout, "still here\n");
     let procs = c.list_processes(&keep.id).await.unwrap();
-    assert!(procs.iter().any(|p| p.pid == ticker.pid && p.running), "{procs:?}");
+    assert!(
+        procs.iter().any(|p| p.pid == ticker.pid && p.running),
+        "{procs:?}"
+    );
     // Re-attach to output produced before and after the crash.
     let mut ev = c.attach(&keep.id, "ticker", true).await.unwrap();
     let mut text = Vec::new();
@@ -61,17 +91,27 @@ async fn sandboxes_survive_daemon_kill9() {
 
     // Timeouts still fire after the restart.
     c.set_timeout(&short.id, 1).await.unwrap();
-    let gone = eventually(Duration::from_secs(15), || !d.data_dir.join("sandboxes").join(&short.id).exists()).await;
+    let gone = eventually(Duration::from_secs(15), || {
+        !d.data_dir.join("sandboxes").join(&short.id).exists()
+    })
+    .await;
     assert!(gone, "timeout did not fire after restart");
+    wait_not_found(&c, &short.id).await;
     assert_no_leaks(&short_facts, &d.data_dir);
 
     // A sandbox whose processes died while the daemon was down is cleaned up at the next start,
     // and so are leftovers no database row owns (a crash mid-create).
     d.kill9();
     for p in &keep_facts.pids {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p as i32), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*p as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
-    let orphan = d.data_dir.join("sandboxes").join("sbx_orphanorphanorphanorphanor");
+    let orphan = d
+        .data_dir
+        .join("sandboxes")
+        .join("sbx_orphanorphanorphanorphanor");
     std::fs::create_dir_all(orphan.join("upper")).unwrap();
     std::fs::create_dir_all("/sys/fs/cgroup/pids/moat/sbx_orphanorphanorphanorphanor").unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -80,6 +120,9 @@ async fn sandboxes_survive_daemon_kill9() {
     assert!(c.get_sandbox(&keep.id).await.unwrap_err().is_not_found());
     assert_no_leaks(&keep_facts, &d.data_dir);
     assert!(!orphan.exists(), "leftover sandbox dir not swept");
-    assert!(!std::path::Path::new("/sys/fs/cgroup/pids/moat/sbx_orphanorphanorphanorphanor").exists(), "leftover cgroup not swept");
+    assert!(
+        !std::path::Path::new("/sys/fs/cgroup/pids/moat/sbx_orphanorphanorphanorphanor").exists(),
+        "leftover cgroup not swept"
+    );
     d.stop();
 }

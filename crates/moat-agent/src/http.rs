@@ -60,7 +60,13 @@ impl ApiError {
                 _ => ErrorCode::Internal,
             },
         };
-        Self::new(code, format!("{what}: {e}"))
+        let err = Self::new(code, format!("{what}: {e}"));
+        // `what` is a path for every filesystem operation: name the query field it came from.
+        if what.starts_with('/') {
+            ApiError(err.0.with_field("path"))
+        } else {
+            err
+        }
     }
 
     pub fn into_response(self) -> Response<RespBody> {

@@ -101,16 +101,42 @@ impl Watcher {
             };
             let new_dir = m.contains(AddWatchFlags::IN_ISDIR)
                 && m.intersects(AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO);
-            if self.recursive && new_dir && self.add(ino, &path).is_ok() {
-                self.add_tree(ino, &path);
-            }
             out.push(FsEvent {
                 kind,
                 path: path.display().to_string(),
                 timestamp_us: now_us(),
             });
+            if self.recursive && new_dir && self.add(ino, &path).is_ok() {
+                self.add_tree(ino, &path);
+                // Entries made inside the new directory before its watch existed would be missed:
+                // report them as created.
+                let mut found = Vec::new();
+                collect_entries(&path, &mut found, 0);
+                out.extend(found.into_iter().map(|p| FsEvent {
+                    kind: FsEventKind::Create,
+                    path: p.display().to_string(),
+                    timestamp_us: now_us(),
+                }));
+            }
         }
         out
+    }
+}
+
+/// Every entry below `dir` (not following symlinks), bounded in depth and count.
+fn collect_entries(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) {
+    if depth > 32 || out.len() >= MAX_WATCHES {
+        return;
+    }
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in rd.flatten() {
+        let p = entry.path();
+        out.push(p.clone());
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            collect_entries(&p, out, depth + 1);
+        }
     }
 }
 

@@ -100,7 +100,9 @@ pub enum ProcessEvent {
     /// Output of a process on a PTY.
     Pty(OutputChunk),
     /// Output bytes that were dropped from the bounded buffer before this reader saw them.
-    Dropped { bytes: u64 },
+    Dropped {
+        bytes: u64,
+    },
     /// Last event.
     Exit(ExitStatus),
 }
@@ -271,7 +273,10 @@ mod tests {
 
     #[test]
     fn selectors() {
-        assert_eq!(ProcessSelector::parse("42").unwrap(), ProcessSelector::Pid(42));
+        assert_eq!(
+            ProcessSelector::parse("42").unwrap(),
+            ProcessSelector::Pid(42)
+        );
         assert_eq!(
             ProcessSelector::parse("web-1").unwrap(),
             ProcessSelector::Tag("web-1".into())

@@ -35,7 +35,9 @@ impl std::str::FromStr for Isolation {
             "container" => Ok(Isolation::Container),
             "gvisor" => Ok(Isolation::Gvisor),
             "microvm" => Ok(Isolation::Microvm),
-            other => Err(format!("unknown isolation {other:?} (container, gvisor, microvm)")),
+            other => Err(format!(
+                "unknown isolation {other:?} (container, gvisor, microvm)"
+            )),
         }
     }
 }
@@ -73,7 +75,9 @@ impl std::str::FromStr for SandboxState {
             "running" => Ok(SandboxState::Running),
             "paused" => Ok(SandboxState::Paused),
             "stopping" => Ok(SandboxState::Stopping),
-            other => Err(format!("unknown state {other:?} (starting, running, paused, stopping)")),
+            other => Err(format!(
+                "unknown state {other:?} (starting, running, paused, stopping)"
+            )),
         }
     }
 }

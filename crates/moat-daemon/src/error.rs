@@ -57,6 +57,8 @@ pub fn from_serde_path(
         Some(f) if msg.starts_with("unknown field") => {
             if path == "." || path.is_empty() {
                 f.to_string()
+            } else if path == f || path.ends_with(&format!(".{f}")) {
+                path
             } else {
                 format!("{path}.{f}")
             }

@@ -37,6 +37,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("create {}", args.data_dir.display()))?;
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o711))?;
+    // One daemon per data dir: two would sweep each other's sandboxes as leftovers.
+    let _lock = lock_data_dir(&args.data_dir)?;
     extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
 
     let api_key = load_or_create_api_key(&args.api_key_path())?;
@@ -97,6 +99,34 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// Takes an exclusive lock on `<data_dir>/daemon.lock` for the daemon's lifetime (the kernel drops it
+/// when the process dies, so a crash never leaves a stale lock).
+fn lock_data_dir(dir: &Path) -> Result<std::fs::File> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let path = dir.join("daemon.lock");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut other = String::new();
+        let _ = f.read_to_string(&mut other);
+        bail!(
+            "another moat daemon (pid {}) is using {}",
+            other.trim(),
+            dir.display()
+        );
+    }
+    f.set_len(0)?;
+    write!(f, "{}", std::process::id())?;
+    Ok(f)
 }
 
 /// Reads the API key, creating it (0600) on first start.
@@ -232,6 +262,19 @@ mod tests {
             std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o600
         );
+    }
+
+    #[test]
+    fn second_daemon_on_a_data_dir_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = lock_data_dir(dir.path()).unwrap();
+        let err = lock_data_dir(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("pid {}", std::process::id())),
+            "{err}"
+        );
+        drop(first);
+        lock_data_dir(dir.path()).unwrap();
     }
 
     #[test]

@@ -386,11 +386,17 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// Kills sandboxes whose timeout passed; runs every `period` forever.
+    /// Kills sandboxes whose timeout passed, and removes sandboxes whose PID 1 died (an agent that
+    /// crashed, was OOM-killed or was killed from the host); runs every `period` forever.
     pub async fn expire_loop(self: Arc<Self>, period: Duration) {
         let mut tick = tokio::time::interval(period);
+        let mut n: u64 = 0;
         loop {
             tick.tick().await;
+            n += 1;
+            if n.is_multiple_of(4) {
+                self.remove_dead().await;
+            }
             let ids = match self.db.expired(now_ms()) {
                 Ok(ids) => ids,
                 Err(e) => {
@@ -408,6 +414,31 @@ impl Sandboxes {
                         tracing::error!(sandbox = %id, "expire: {e:#}");
                     }
                 }
+            }
+        }
+    }
+
+    async fn remove_dead(&self) {
+        let Ok(all) = self.db.list_sandboxes() else {
+            return;
+        };
+        for rec in all {
+            let (SandboxState::Running | SandboxState::Paused, Some(state), Some(tier)) = (
+                rec.state,
+                rec.tier_state.as_ref(),
+                self.tiers.get(&rec.isolation),
+            ) else {
+                continue;
+            };
+            // Re-read: a delete may have started since the list was taken.
+            if tier.is_alive(&rec.id, state).await
+                || !matches!(self.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == rec.state)
+            {
+                continue;
+            }
+            tracing::warn!(sandbox = %rec.id, "its PID 1 is gone; removing the sandbox");
+            if let Err(e) = self.destroy(rec).await {
+                tracing::error!("{e:#}");
             }
         }
     }

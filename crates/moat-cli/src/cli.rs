@@ -1,0 +1,281 @@
+//! Command-line definitions (clap derive).
+
+use clap::{Args, Parser, Subcommand};
+use moat_api::{Isolation, SandboxState};
+
+use crate::parse::parse_kv;
+
+/// moat: a self-hosted sandbox for AI agents.
+#[derive(Debug, Parser)]
+#[command(name = "moat", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct Global {
+    /// URL of the moat daemon.
+    #[arg(long, global = true, env = "MOAT_URL")]
+    pub url: Option<String>,
+    /// API key; read from <MOAT_DATA_DIR>/api-key (default /var/lib/moat/api-key) when absent.
+    #[arg(long, global = true, env = "MOAT_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Print machine-readable JSON instead of tables and plain text.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon (REST API on 127.0.0.1:6628 by default).
+    Serve(moat_daemon::ServeArgs),
+    /// Create a sandbox and print its id.
+    Create(CreateArgs),
+    /// List sandboxes.
+    #[command(alias = "list")]
+    Ls(LsArgs),
+    /// Show a sandbox as JSON.
+    Inspect { id: String },
+    /// Delete sandboxes.
+    #[command(alias = "delete")]
+    Rm {
+        /// Sandbox ids.
+        #[arg(required_unless_present = "all")]
+        ids: Vec<String>,
+        /// Delete every sandbox.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+    },
+    /// Make a sandbox expire SECS seconds from now.
+    Timeout { id: String, secs: u64 },
+    /// List the processes of a sandbox.
+    Ps { id: String },
+    /// Send a signal to a process (selected by pid or tag).
+    Kill {
+        id: String,
+        /// Pid or tag of the process.
+        process: String,
+        /// Signal name or number.
+        #[arg(long, short = 's', default_value = "SIGKILL")]
+        signal: String,
+    },
+    /// Run a command in a sandbox and stream its output; exits with the command's exit code.
+    Exec(ExecArgs),
+    /// Create a sandbox, run a command in it, delete it; exits with the command's exit code.
+    Run(RunArgs),
+    /// Open an interactive terminal in a sandbox.
+    Shell {
+        id: String,
+        /// User to run as (name or uid).
+        #[arg(long, short = 'u')]
+        user: Option<String>,
+        /// Command to run instead of `/bin/bash -l`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy files between the host and a sandbox (`ID:PATH` names the sandbox side).
+    Cp { src: String, dst: String },
+    /// Manage templates.
+    #[command(subcommand)]
+    Template(TemplateCommand),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CreateArgs {
+    /// Template name (the daemon's default when absent).
+    #[arg(long)]
+    pub template: Option<String>,
+    /// Lifetime of the sandbox in seconds.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
+    /// Environment variable of every command in the sandbox (repeatable).
+    #[arg(long, short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Metadata label (repeatable).
+    #[arg(long, short = 'm', value_name = "K=V", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+    /// CPU limit in cores (fractions allowed).
+    #[arg(long)]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB.
+    #[arg(long)]
+    pub memory_mb: Option<u64>,
+    /// Isolation tier.
+    #[arg(long, value_parser = ["container", "gvisor", "microvm"])]
+    pub isolation: Option<String>,
+}
+
+impl CreateArgs {
+    pub fn isolation(&self) -> anyhow::Result<Option<Isolation>> {
+        self.isolation
+            .as_deref()
+            .map(|s| s.parse::<Isolation>().map_err(anyhow::Error::msg))
+            .transpose()
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// Only sandboxes in this state (starting, running, paused, stopping).
+    #[arg(long)]
+    pub state: Option<SandboxState>,
+    /// Only sandboxes with this metadata label (repeatable; all must match).
+    #[arg(long, short = 'm', value_name = "K=V", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+}
+
+/// Process options shared by `exec` and `run`.
+#[derive(Debug, Clone, Args)]
+pub struct ProcessOpts {
+    /// Working directory (the user's home when absent).
+    #[arg(long, short = 'w')]
+    pub cwd: Option<String>,
+    /// User to run as (name or uid; root when absent).
+    #[arg(long, short = 'u')]
+    pub user: Option<String>,
+    /// Pipe this terminal's stdin to the process.
+    #[arg(long = "stdin", short = 'i')]
+    pub stdin: bool,
+    /// Run on a pseudo-terminal (interactive, like `shell`).
+    #[arg(long, short = 't')]
+    pub tty: bool,
+    /// Tag to address the process by.
+    #[arg(long)]
+    pub tag: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    pub id: String,
+    #[command(flatten)]
+    pub opts: ProcessOpts,
+    /// Extra environment variable (repeatable).
+    #[arg(long, short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Kill the command after SECS seconds (exit code 124).
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<f64>,
+    /// Start in the background and print the pid.
+    #[arg(long, short = 'd', conflicts_with_all = ["stdin", "tty"])]
+    pub detach: bool,
+    /// The command and its arguments (argv, no shell: use `sh -c '...'` for shell syntax).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub cmd: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub create: CreateArgs,
+    #[command(flatten)]
+    pub opts: ProcessOpts,
+    /// Kill the command after SECS seconds (exit code 124).
+    #[arg(long, value_name = "SECS")]
+    pub cmd_timeout: Option<f64>,
+    /// The command and its arguments (argv, no shell: use `sh -c '...'` for shell syntax).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub cmd: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TemplateCommand {
+    /// List templates.
+    #[command(alias = "list")]
+    Ls,
+    /// Build a template, showing progress.
+    Build {
+        name: String,
+        /// Print the build tool's log lines.
+        #[arg(long, short = 'v')]
+        verbose: bool,
+    },
+    /// Register a root filesystem directory or tarball on the daemon's host as a template.
+    Add {
+        name: String,
+        path: std::path::PathBuf,
+    },
+    /// Delete a template.
+    #[command(alias = "delete")]
+    Rm { name: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn exec_parses_trailing_command() {
+        let cli = Cli::try_parse_from([
+            "moat", "exec", "sbx_1", "-i", "--env", "A=1", "--", "ls", "-la", "/tmp",
+        ])
+        .unwrap();
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(args.id, "sbx_1");
+        assert!(args.opts.stdin);
+        assert_eq!(args.env, vec![("A".to_string(), "1".to_string())]);
+        assert_eq!(args.cmd, vec!["ls", "-la", "/tmp"]);
+
+        let cli = Cli::try_parse_from(["moat", "exec", "sbx_1", "echo", "-n", "hi"]).unwrap();
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(args.cmd, vec!["echo", "-n", "hi"]);
+        assert!(Cli::try_parse_from(["moat", "exec", "sbx_1"]).is_err());
+        assert!(Cli::try_parse_from(["moat", "exec", "sbx_1", "-d", "-t", "x"]).is_err());
+    }
+
+    #[test]
+    fn run_and_globals() {
+        let cli = Cli::try_parse_from([
+            "moat",
+            "run",
+            "--template",
+            "base",
+            "--timeout",
+            "60",
+            "-m",
+            "a=b",
+            "--json",
+            "--cmd-timeout",
+            "1.5",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ])
+        .unwrap();
+        assert!(cli.global.json);
+        let Command::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!(args.create.timeout, Some(60));
+        assert_eq!(args.cmd_timeout, Some(1.5));
+        assert_eq!(args.cmd, vec!["sh", "-c", "exit 3"]);
+        assert!(Cli::try_parse_from(["moat", "create", "--env", "novalue"]).is_err());
+        assert!(Cli::try_parse_from(["moat", "create", "--isolation", "vm"]).is_err());
+        assert!(Cli::try_parse_from(["moat", "rm"]).is_err());
+        assert!(Cli::try_parse_from(["moat", "rm", "--all"]).is_ok());
+        assert!(Cli::try_parse_from(["moat", "ls", "--state", "bogus"]).is_err());
+    }
+}

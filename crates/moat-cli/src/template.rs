@@ -1,0 +1,166 @@
+//! Template commands: ls, build, add, rm.
+
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use moat_api::{BuildEvent, RegisterTemplateRequest, Template};
+use moat_client::Client;
+
+use crate::cli::TemplateCommand;
+use crate::output::{print_json, print_table};
+
+pub async fn dispatch(client: &Client, cmd: TemplateCommand, json: bool) -> anyhow::Result<i32> {
+    match cmd {
+        TemplateCommand::Ls => list(client, json).await,
+        TemplateCommand::Build { name, verbose } => build(client, &name, verbose, json).await,
+        TemplateCommand::Add { name, path } => {
+            let path = std::path::absolute(&path)?;
+            let path = path
+                .to_str()
+                .ok_or_else(|| anyhow::anyhow!("{} is not valid UTF-8", path.display()))?
+                .to_string();
+            let t = client
+                .register_template(&RegisterTemplateRequest { name, path })
+                .await?;
+            print_template(&t, json)?;
+            Ok(0)
+        }
+        TemplateCommand::Rm { name } => {
+            client.delete_template(&name).await?;
+            if json {
+                print_json(&serde_json::json!({ "deleted": name }))?;
+            } else {
+                println!("{name}");
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn print_template(t: &Template, json: bool) -> anyhow::Result<()> {
+    if json {
+        print_json(t)
+    } else {
+        println!("{} {}", t.name, status(t));
+        Ok(())
+    }
+}
+
+fn status(t: &Template) -> &'static str {
+    match t.status {
+        moat_api::TemplateStatus::Building => "building",
+        moat_api::TemplateStatus::Ready => "ready",
+        moat_api::TemplateStatus::Failed => "failed",
+    }
+}
+
+async fn list(client: &Client, json: bool) -> anyhow::Result<i32> {
+    let templates = client.list_templates().await?;
+    if json {
+        print_json(&templates)?;
+        return Ok(0);
+    }
+    let rows: Vec<Vec<String>> = templates
+        .iter()
+        .map(|t| {
+            vec![
+                t.name.clone(),
+                format!("{:?}", t.source).to_lowercase(),
+                status(t).to_string(),
+                human_size(t.size_bytes),
+                t.created_at.clone(),
+            ]
+        })
+        .collect();
+    print_table(&["NAME", "SOURCE", "STATUS", "SIZE", "CREATED"], &rows);
+    Ok(0)
+}
+
+/// `1.5 MiB` style sizes.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+async fn build(client: &Client, name: &str, verbose: bool, json: bool) -> anyhow::Result<i32> {
+    let mut events = client.build_template(name).await?;
+    let bar = if json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new_spinner()
+    };
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let spinner = ProgressStyle::with_template("{spinner} {msg}")?;
+    let counted = ProgressStyle::with_template("{spinner} {msg} [{wide_bar}] {pos}/{len}")?
+        .progress_chars("=> ");
+    bar.set_style(spinner.clone());
+    bar.set_message(format!("building {name}"));
+    while let Some(ev) = events.next().await {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                bar.finish_and_clear();
+                return Err(e.into());
+            }
+        };
+        if json {
+            println!("{}", serde_json::to_string(&ev)?);
+        }
+        match ev {
+            BuildEvent::Progress { phase, done, total } => {
+                if total == 0 {
+                    bar.set_style(spinner.clone());
+                } else {
+                    bar.set_style(counted.clone());
+                    bar.set_length(total);
+                    bar.set_position(done);
+                }
+                bar.set_message(phase);
+            }
+            BuildEvent::Log { line } => {
+                if verbose && !json {
+                    bar.println(line);
+                }
+            }
+            BuildEvent::Done { template } => {
+                bar.finish_and_clear();
+                if !json {
+                    println!(
+                        "template {} ready ({})",
+                        template.name,
+                        human_size(template.size_bytes)
+                    );
+                }
+                return Ok(0);
+            }
+            BuildEvent::Failed { message } => {
+                bar.finish_and_clear();
+                eprintln!("error: template build failed: {message}");
+                return Ok(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    anyhow::bail!("the build stream ended without a result")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(human_size(12), "12 B");
+        assert_eq!(human_size(1536), "1.5 KiB");
+        assert_eq!(human_size(3 * 1024 * 1024 * 1024), "3.0 GiB");
+    }
+}

@@ -1,0 +1,108 @@
+//! Sandbox lifecycle endpoints.
+
+use std::collections::BTreeMap;
+
+use moat_api::{CreateSandboxRequest, Sandbox, SandboxList, SandboxState, SetTimeoutRequest};
+use reqwest::Method;
+
+use crate::{Client, Result};
+
+/// Filter of [`Client::list_sandboxes`]; every given condition must match.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxFilter {
+    pub state: Option<SandboxState>,
+    /// Metadata labels that must all be present with these values.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl SandboxFilter {
+    /// Query pairs: `state=...` and one `metadata=key=value` per label.
+    pub fn query(&self) -> Vec<(&'static str, String)> {
+        let mut q = Vec::new();
+        if let Some(state) = self.state {
+            q.push(("state", state.as_str().to_string()));
+        }
+        for (k, v) in &self.metadata {
+            q.push(("metadata", format!("{k}={v}")));
+        }
+        q
+    }
+}
+
+impl Client {
+    /// `POST /v1/sandboxes`
+    pub async fn create_sandbox(&self, req: &CreateSandboxRequest) -> Result<Sandbox> {
+        self.send_json(self.request(Method::POST, &["v1", "sandboxes"]).json(req))
+            .await
+    }
+
+    /// `GET /v1/sandboxes/{id}`
+    pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
+        self.send_json(self.request(Method::GET, &["v1", "sandboxes", id]))
+            .await
+    }
+
+    /// `GET /v1/sandboxes?state=&metadata=k=v...`
+    pub async fn list_sandboxes(&self, filter: &SandboxFilter) -> Result<Vec<Sandbox>> {
+        let list: SandboxList = self
+            .send_json(
+                self.request(Method::GET, &["v1", "sandboxes"])
+                    .query(&filter.query()),
+            )
+            .await?;
+        Ok(list.sandboxes)
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`
+    pub async fn delete_sandbox(&self, id: &str) -> Result<()> {
+        self.send_empty(self.request(Method::DELETE, &["v1", "sandboxes", id]))
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout_secs` from now.
+    pub async fn set_timeout(&self, id: &str, timeout_secs: u64) -> Result<Sandbox> {
+        self.send_json(
+            self.request(Method::POST, &["v1", "sandboxes", id, "timeout"])
+                .json(&SetTimeoutRequest {
+                    timeout: timeout_secs,
+                }),
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_query() {
+        let mut f = SandboxFilter {
+            state: Some(SandboxState::Running),
+            ..Default::default()
+        };
+        f.metadata.insert("a".into(), "1".into());
+        f.metadata.insert("b".into(), "x=y".into());
+        let q = f.query();
+        assert_eq!(
+            q,
+            vec![
+                ("state", "running".to_string()),
+                ("metadata", "a=1".to_string()),
+                ("metadata", "b=x=y".to_string())
+            ]
+        );
+        let encoded = serde_urlencoded_like(&q);
+        assert_eq!(encoded, "state=running&metadata=a%3D1&metadata=b%3Dx%3Dy");
+    }
+
+    fn serde_urlencoded_like(q: &[(&str, String)]) -> String {
+        let c = Client::new("http://h", "k").unwrap();
+        let req = c
+            .request(Method::GET, &["v1", "sandboxes"])
+            .query(q)
+            .build()
+            .unwrap();
+        req.url().query().unwrap_or_default().to_string()
+    }
+}
