@@ -15,6 +15,7 @@ packages=(
     file              # scripts/build-agent.sh checks the agent is static
     busybox-static    # tiny root filesystems for fast tests
     coreutils
+    curl              # tests talk to the daemon's unix socket
 )
 
 missing=()

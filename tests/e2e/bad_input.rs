@@ -74,6 +74,28 @@ async fn bad_input_answers() {
     assert_eq!(resp.status().as_u16(), 401);
     let body: ErrorBody = resp.json().await.unwrap();
     assert_eq!(body.error.code, ErrorCode::Unauthorized);
+    // The API also answers on the daemon's unix socket, with the same auth.
+    let sock = shared().data_dir.join("api.sock");
+    let curl = |args: &[&str]| {
+        let o = std::process::Command::new("curl")
+            .args(["-s", "--unix-socket"])
+            .arg(&sock)
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let health: serde_json::Value = serde_json::from_str(&curl(&["http://moat/healthz"])).unwrap();
+    assert_eq!(health["status"], "ok");
+    let denied: ErrorBody = serde_json::from_str(&curl(&["http://moat/v1/sandboxes"])).unwrap();
+    assert_eq!(denied.error.code, ErrorCode::Unauthorized);
+    let listed: serde_json::Value = serde_json::from_str(&curl(&[
+        "-H",
+        &format!("Authorization: Bearer {}", raw.key),
+        "http://moat/v1/sandboxes",
+    ]))
+    .unwrap();
+    assert!(listed["sandboxes"].is_array());
     // Health and the OpenAPI document need no key.
     let doc: serde_json::Value = raw
         .http

@@ -88,6 +88,8 @@ impl Daemon {
         .arg(&self.data_dir)
         .arg("--agent")
         .arg(agent_path())
+        .arg("--unix-socket")
+        .arg(self.data_dir.join("api.sock"))
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
