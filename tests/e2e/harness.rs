@@ -50,6 +50,7 @@ pub struct Daemon {
     pub url: String,
     pub data_dir: PathBuf,
     pub port: u16,
+    extra_args: Vec<String>,
     child: Mutex<Option<Running>>,
 }
 
@@ -60,11 +61,34 @@ struct Running {
 
 impl Daemon {
     pub fn start(data_dir: &Path) -> Daemon {
+        Daemon::start_with(data_dir, &[])
+    }
+
+    /// The daemon most tests share keeps the default uid base; every other one gets its own.
+    fn start_shared(data_dir: &Path) -> Daemon {
         let port = free_port();
         let d = Daemon {
             url: format!("http://127.0.0.1:{port}"),
             data_dir: data_dir.to_path_buf(),
             port,
+            extra_args: Vec::new(),
+            child: Mutex::new(None),
+        };
+        d.spawn();
+        d
+    }
+
+    /// A daemon with extra `moat serve` flags.
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
+        let port = free_port();
+        let d = Daemon {
+            url: format!("http://127.0.0.1:{port}"),
+            data_dir: data_dir.to_path_buf(),
+            port,
+            extra_args: ["--uid-base".to_string(), next_uid_base()]
+                .into_iter()
+                .chain(extra.iter().map(|s| s.to_string()))
+                .collect(),
             child: Mutex::new(None),
         };
         d.spawn();
@@ -90,6 +114,7 @@ impl Daemon {
         .arg(agent_path())
         .arg("--unix-socket")
         .arg(self.data_dir.join("api.sock"))
+        .args(&self.extra_args)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
@@ -188,26 +213,31 @@ pub fn shared() -> &'static Daemon {
         let dir = std::env::var("MOAT_TEST_DATA_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(|_| workspace_root().join("target/moat-e2e"));
-        let d = Daemon::start(&dir);
+        let d = Daemon::start_shared(&dir);
         let client = d.client();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let mut events = client
-                .build_template("base")
-                .await
-                .expect("build base template");
-            let mut last = None;
-            while let Some(ev) = events.next().await {
-                last = Some(ev.expect("build event"));
-            }
-            match last {
-                Some(moat_api::BuildEvent::Done { .. }) => {}
-                other => panic!("base template build did not finish: {other:?}"),
-            }
-        });
+        // On a thread of its own: the first caller may be inside a test's runtime.
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let mut events = client
+                    .build_template("base")
+                    .await
+                    .expect("build base template");
+                let mut last = None;
+                while let Some(ev) = events.next().await {
+                    last = Some(ev.expect("build event"));
+                }
+                match last {
+                    Some(moat_api::BuildEvent::Done { .. }) => {}
+                    other => panic!("base template build did not finish: {other:?}"),
+                }
+            })
+        })
+        .join()
+        .expect("base template build");
         d
     })
 }
@@ -298,8 +328,7 @@ pub struct HostFacts {
 }
 
 pub fn cgroup_procs(id: &str) -> Vec<u32> {
-    std::fs::read_to_string(format!("/sys/fs/cgroup/pids/moat/{id}/cgroup.procs"))
-        .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{id}/cgroup.procs")))
+    cgroup_file(id, "pids", "cgroup.procs")
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.trim().parse().ok())
@@ -345,11 +374,8 @@ pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
         "mount left for {}:\n{mountinfo}",
         facts.id
     );
-    for c in ["pids", "memory", "cpu", "cpuacct", "freezer"] {
-        let p = format!("/sys/fs/cgroup/{c}/moat/{}", facts.id);
-        assert!(!Path::new(&p).exists(), "cgroup {p} left");
-    }
-    assert!(!Path::new(&format!("/sys/fs/cgroup/moat/{}", facts.id)).exists());
+    let left = cgroup_dirs(&facts.id);
+    assert!(left.is_empty(), "cgroups left: {left:?}");
     let dir = data_dir.join("sandboxes").join(&facts.id);
     assert!(!dir.exists(), "{} left", dir.display());
     // An agent re-parented to the host's init (after a daemon restart) is reaped by init, which may
@@ -456,4 +482,49 @@ fn namespace_holders(facts: &HostFacts) -> Option<String> {
         .into_iter()
         .find(|(ns, _)| ns == &facts.netns || ns == &facts.pidns)
         .map(|(ns, who)| format!("namespace {ns} of {} still in use by {who}", facts.id))
+}
+
+/// Every cgroup directory of a sandbox, whichever daemon (cgroup parent `moat*`) made it.
+pub fn cgroup_dirs(id: &str) -> Vec<PathBuf> {
+    let mut bases = vec![PathBuf::from("/sys/fs/cgroup")];
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+        bases.extend(rd.flatten().map(|e| e.path()));
+    }
+    let mut out = Vec::new();
+    for base in bases {
+        let Ok(rd) = std::fs::read_dir(&base) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with("moat") && e.path().join(id).is_dir() {
+                out.push(e.path().join(id));
+            }
+        }
+    }
+    out
+}
+
+/// Contents of a control file of a sandbox's cgroup: `controller` names the v1 hierarchy (ignored on v2).
+pub fn cgroup_file(id: &str, controller: &str, file: &str) -> std::io::Result<String> {
+    let dirs = cgroup_dirs(id);
+    let dir = dirs
+        .iter()
+        .find(|d| {
+            d.parent()
+                .and_then(|p| p.parent())
+                .is_some_and(|c| c.ends_with(controller))
+        })
+        .or_else(|| dirs.iter().find(|d| d.join(file).exists()))
+        .ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, format!("no cgroup for {id}"))
+        })?;
+    std::fs::read_to_string(dir.join(file))
+}
+
+/// A distinct host uid range for every extra daemon a test starts (ranges must not overlap between
+/// daemons, or the no-leak checks would see another daemon's sandbox as a leftover).
+pub fn next_uid_base() -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10;
+    (1_300_000_000u64 + n as u64 * 300_000_000).to_string()
 }

@@ -32,12 +32,9 @@ async fn create_list_filter_get_and_limits() {
     assert_eq!(out.stdout, "moat\n");
 
     // Limits reached the cgroup.
-    let mem = std::fs::read_to_string(format!(
-        "/sys/fs/cgroup/memory/moat/{}/memory.limit_in_bytes",
-        s.id
-    ))
-    .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/moat/{}/memory.max", s.id)))
-    .unwrap();
+    let mem = cgroup_file(&s.id, "memory", "memory.limit_in_bytes")
+        .or_else(|_| cgroup_file(&s.id, "memory", "memory.max"))
+        .unwrap();
     assert_eq!(mem.trim(), (256u64 << 20).to_string());
 
     let other = create(&c, "base").await;

@@ -9,4 +9,5 @@ mod commands;
 mod files;
 mod isolation;
 mod lifecycle;
+mod pool;
 mod restart;

@@ -113,16 +113,17 @@ async fn sandboxes_survive_daemon_kill9() {
         .join("sandboxes")
         .join("sbx_orphanorphanorphanorphanor");
     std::fs::create_dir_all(orphan.join("upper")).unwrap();
-    std::fs::create_dir_all("/sys/fs/cgroup/pids/moat/sbx_orphanorphanorphanorphanor").unwrap();
+    let parent = moat_daemon::host::cgroup::parent_for(&d.data_dir);
+    let orphan_cgroup = std::path::Path::new("/sys/fs/cgroup/pids")
+        .join(&parent)
+        .join("sbx_orphanorphanorphanorphanor");
+    std::fs::create_dir_all(&orphan_cgroup).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     d.restart();
     let c = d.client();
     assert!(c.get_sandbox(&keep.id).await.unwrap_err().is_not_found());
     assert_no_leaks(&keep_facts, &d.data_dir);
     assert!(!orphan.exists(), "leftover sandbox dir not swept");
-    assert!(
-        !std::path::Path::new("/sys/fs/cgroup/pids/moat/sbx_orphanorphanorphanorphanor").exists(),
-        "leftover cgroup not swept"
-    );
+    assert!(!orphan_cgroup.exists(), "leftover cgroup not swept");
     d.stop();
 }

@@ -126,7 +126,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let agent = Arc::new(server::Agent { procs, base_env });
+    let agent = Arc::new(server::Agent {
+        procs,
+        base_env: std::sync::RwLock::new(base_env),
+    });
     rt.block_on(async move {
         let listener = match tokio::net::UnixListener::from_std(listener) {
             Ok(l) => l,

@@ -73,7 +73,12 @@ pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
     }
     let user = users::lookup(req.user.as_deref(), Path::new("/etc"))
         .map_err(|e| ApiError::invalid("user", e))?;
-    let env = build_env(&agent.base_env, &req.env, &user, req.pty.is_some())?;
+    let base_env = agent
+        .base_env
+        .read()
+        .map_err(|_| ApiError::internal("environment lock poisoned"))?
+        .clone();
+    let env = build_env(&base_env, &req.env, &user, req.pty.is_some())?;
     let home = PathBuf::from(&user.home);
     let cwd = match &req.cwd {
         Some(c) => {

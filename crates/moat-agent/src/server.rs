@@ -18,8 +18,9 @@ use crate::{fsops, procapi, tarops, watch};
 /// State shared by all connections.
 pub struct Agent {
     pub procs: Arc<Processes>,
-    /// The agent's own environment at start: the base of every process's environment.
-    pub base_env: BTreeMap<String, String>,
+    /// The agent's own environment at start, plus what `POST /env` added: the base of every
+    /// process's environment.
+    pub base_env: std::sync::RwLock<BTreeMap<String, String>>,
 }
 
 /// Accepts connections forever.
@@ -94,6 +95,7 @@ async fn route(
             StatusCode::OK,
             &serde_json::json!({"protocol": AGENT_PROTOCOL_VERSION, "version": env!("CARGO_PKG_VERSION")}),
         ),
+        (["env"], Method::POST) => set_env(agent, body).await,
         (["processes"], Method::GET) => procapi::list(agent),
         (["processes"], Method::POST) => procapi::start(agent, body).await,
         (["processes", sel, "events"], Method::GET) => procapi::events(agent, sel, query),
@@ -114,6 +116,7 @@ async fn route(
         (["fs", "watch"], Method::GET) => watch::watch(query),
         (
             ["health"]
+            | ["env"]
             | ["processes"]
             | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
             | ["files"]
@@ -123,4 +126,30 @@ async fn route(
         ) => method_not_allowed(method, path),
         _ => Err(ApiError::not_found(format!("no endpoint {path}"))),
     }
+}
+
+/// `POST /env`: merges variables into the base environment of processes started from now on (a
+/// sandbox taken from the warm pool gets the environment its creator asked for this way).
+async fn set_env(agent: &Agent, body: Incoming) -> HandlerResult {
+    let req: moat_api::EnvUpdate = crate::http::read_json(body).await?;
+    for k in req.env.keys() {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(ApiError::invalid(
+                &format!("env.{k}"),
+                "invalid environment variable name",
+            ));
+        }
+    }
+    if req.env.values().any(|v| v.contains('\0')) {
+        return Err(ApiError::invalid(
+            "env",
+            "environment values may not contain NUL",
+        ));
+    }
+    let mut env = agent
+        .base_env
+        .write()
+        .map_err(|_| ApiError::internal("environment lock poisoned"))?;
+    env.extend(req.env);
+    crate::http::no_content()
 }

@@ -155,6 +155,13 @@ pub struct SignalRequest {
 /// `POST .../processes/{process}/resize`
 pub type ResizeRequest = PtySize;
 
+/// Agent-internal `POST /env`: variables merged into the environment of processes started from now on.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvUpdate {
+    pub env: BTreeMap<String, String>,
+}
+
 /// A process selector from a path segment: digits are a pid, anything else a tag.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProcessSelector {

@@ -155,6 +155,20 @@ pub struct Health {
     pub status: String,
     pub version: String,
     pub tiers: Vec<TierInfo>,
+    /// The warm pool: sandboxes started ahead of demand; absent when the pool is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolInfo {
+    /// Template the pool keeps ready (creates of other templates start from nothing).
+    pub template: String,
+    /// How many the daemon keeps ready.
+    pub size: u32,
+    /// How many are ready now.
+    pub ready: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

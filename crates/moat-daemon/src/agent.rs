@@ -111,6 +111,23 @@ impl AgentClient {
         serde_json::from_slice(&bytes).with_context(|| format!("decode agent answer to {path}"))
     }
 
+    /// Merges variables into the environment of processes the agent starts from now on.
+    pub async fn set_env(&self, env: &std::collections::BTreeMap<String, String>) -> Result<()> {
+        let body = serde_json::to_vec(&moat_api::EnvUpdate { env: env.clone() })?;
+        let resp = self
+            .send(
+                http::Method::POST,
+                "/env",
+                Some("application/json"),
+                Body::from(body),
+            )
+            .await?;
+        if !resp.status().is_success() {
+            bail!("agent refused the environment: {}", resp.status());
+        }
+        Ok(())
+    }
+
     /// Waits until the agent answers `/health` with the protocol version this daemon speaks.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         #[derive(serde::Deserialize)]

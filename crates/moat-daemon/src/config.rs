@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// First host uid/gid of the ranges sandbox users map to (each sandbox gets 65536 ids).
     #[arg(long, env = "MOAT_UID_BASE", default_value_t = 1_000_000_000)]
     pub uid_base: u32,
+    /// Sandboxes of the default template kept started ahead of demand (the warm pool); a create that
+    /// fits takes one instead of starting from nothing. 0 turns the pool off.
+    #[arg(long, env = "MOAT_POOL_SIZE", default_value_t = 2)]
+    pub pool_size: u32,
     /// Largest request body accepted by JSON endpoints, in bytes (file uploads stream and are unlimited).
     #[arg(long, env = "MOAT_MAX_JSON_BODY", default_value_t = 1 << 20)]
     pub max_json_body: usize,

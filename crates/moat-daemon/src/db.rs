@@ -34,6 +34,9 @@ const MIGRATIONS: &[&str] = &[
         created_at_ms INTEGER NOT NULL,
         error TEXT
     );",
+    // 2: the warm pool, and round-robin uid slots (a freed slot is not handed out again at once).
+    "ALTER TABLE sandboxes ADD COLUMN pooled INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);",
 ];
 
 /// A sandbox row.
@@ -52,6 +55,20 @@ pub struct SandboxRecord {
     pub hostname: String,
     pub slot: u32,
     pub tier_state: Option<serde_json::Value>,
+    /// Started ahead of demand and not yet handed to anyone: invisible in the API.
+    pub pooled: bool,
+}
+
+/// What a creator asks of a sandbox taken from the warm pool.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub template: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub metadata: BTreeMap<String, String>,
+    pub env: BTreeMap<String, String>,
+    pub cpu: f64,
+    pub memory_mb: u64,
 }
 
 /// A template row.
@@ -104,6 +121,7 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
         hostname: r.get("hostname")?,
         slot: r.get::<_, i64>("slot")? as u32,
         tier_state: tier_state.map(|s| parse_json(&s)).transpose()?,
+        pooled: r.get::<_, i64>("pooled")? != 0,
     })
 }
 
@@ -160,21 +178,34 @@ impl Db {
             .lock()
             .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
         let tx = conn.transaction()?;
+        let next: i64 = tx
+            .query_row("SELECT value FROM meta WHERE key = 'next_slot'", [], |r| {
+                r.get(0)
+            })
+            .optional()?
+            .unwrap_or(0);
+        // The first free slot at or after the one after the last handed out, wrapping around.
         let slot: Option<i64> = tx
             .query_row(
                 "WITH RECURSIVE n(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM n WHERE x + 1 < ?1)
-                 SELECT x FROM n WHERE x NOT IN (SELECT slot FROM sandboxes) LIMIT 1",
-                [max_slots],
+                 SELECT x FROM n WHERE x NOT IN (SELECT slot FROM sandboxes)
+                 ORDER BY (x < ?2), x LIMIT 1",
+                params![max_slots, next],
                 |r| r.get(0),
             )
             .optional()?;
         let slot =
             slot.ok_or_else(|| anyhow::anyhow!("all {max_slots} sandbox slots are in use"))?;
+        tx.execute(
+            "INSERT INTO meta (key, value) VALUES ('next_slot', ?1)
+             ON CONFLICT(key) DO UPDATE SET value = ?1",
+            [(slot + 1) % max_slots as i64],
+        )?;
         rec.slot = slot as u32;
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
-                                    cpu, memory_mb, hostname, slot, tier_state)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                                    cpu, memory_mb, hostname, slot, tier_state, pooled)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
             params![
                 rec.id,
                 rec.template,
@@ -189,6 +220,7 @@ impl Db {
                 rec.hostname,
                 rec.slot as i64,
                 rec.tier_state.as_ref().map(|v| v.to_string()),
+                rec.pooled as i64,
             ],
         )?;
         tx.commit()?;
@@ -253,11 +285,51 @@ impl Db {
     pub fn expired(&self, now_ms: i64) -> Result<Vec<String>> {
         self.with(|c| {
             let mut st = c.prepare(
-                "SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping'",
+                "SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping' AND pooled = 0",
             )?;
             let rows = st.query_map([now_ms], |r| r.get(0))?;
             rows.collect()
         })
+    }
+
+    /// Hands a running pooled sandbox of `claim.template` to a creator; None when the pool is empty.
+    pub fn claim_pooled(&self, claim: &Claim) -> Result<Option<SandboxRecord>> {
+        let id: Option<String> = self.with(|c| {
+            c.query_row(
+                "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
+                        cpu = ?6, memory_mb = ?7
+                 WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
+                             ORDER BY created_at_ms LIMIT 1)
+                 RETURNING id",
+                params![
+                    claim.template,
+                    claim.created_at_ms,
+                    claim.expires_at_ms,
+                    serde_json::to_string(&claim.metadata).unwrap_or_default(),
+                    serde_json::to_string(&claim.env).unwrap_or_default(),
+                    claim.cpu,
+                    claim.memory_mb as i64
+                ],
+                |r| r.get(0),
+            )
+            .optional()
+        })?;
+        match id {
+            Some(id) => self.get_sandbox(&id),
+            None => Ok(None),
+        }
+    }
+
+    /// Number of pooled sandboxes of a template (any state).
+    pub fn pooled_count(&self, template: &str) -> Result<u64> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM sandboxes WHERE pooled = 1 AND template = ?1",
+                [template],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| n as u64)
     }
 
     pub fn delete_sandbox(&self, id: &str) -> Result<()> {
@@ -333,6 +405,7 @@ mod tests {
             hostname: "h".into(),
             slot: 0,
             tier_state: None,
+            pooled: false,
         }
     }
 
@@ -349,6 +422,50 @@ mod tests {
         let mut c = rec("c");
         db.insert_sandbox(&mut c, 2).unwrap();
         assert_eq!(c.slot, 0);
+    }
+
+    #[test]
+    fn freed_slots_are_not_reused_at_once() {
+        let db = Db::open_in_memory().unwrap();
+        let mut a = rec("a");
+        db.insert_sandbox(&mut a, 8).unwrap();
+        db.delete_sandbox("a").unwrap();
+        let mut b = rec("b");
+        db.insert_sandbox(&mut b, 8).unwrap();
+        assert_eq!((a.slot, b.slot), (0, 1));
+    }
+
+    #[test]
+    fn claim_takes_a_pooled_sandbox_once() {
+        let db = Db::open_in_memory().unwrap();
+        let mut p = rec("p");
+        p.pooled = true;
+        p.state = SandboxState::Running;
+        db.insert_sandbox(&mut p, 8).unwrap();
+        assert_eq!(db.pooled_count("base").unwrap(), 1);
+        let claim = Claim {
+            template: "base".into(),
+            created_at_ms: 5,
+            expires_at_ms: 50,
+            metadata: [("a".to_string(), "b".to_string())].into(),
+            env: BTreeMap::new(),
+            cpu: 0.5,
+            memory_mb: 128,
+        };
+        assert!(db
+            .claim_pooled(&Claim {
+                template: "other".into(),
+                ..claim.clone()
+            })
+            .unwrap()
+            .is_none());
+        let got = db.claim_pooled(&claim).unwrap().unwrap();
+        assert_eq!(
+            (got.id.as_str(), got.pooled, got.cpu, got.expires_at_ms),
+            ("p", false, 0.5, 50)
+        );
+        assert!(db.claim_pooled(&claim).unwrap().is_none());
+        assert_eq!(db.pooled_count("base").unwrap(), 0);
     }
 
     #[test]

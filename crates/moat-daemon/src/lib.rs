@@ -46,8 +46,12 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
-    let container =
-        tier::container::ContainerTier::new(args.data_dir.join("sandboxes"), agent, args.uid_base)?;
+    let container = tier::container::ContainerTier::new(
+        args.data_dir.join("sandboxes"),
+        agent,
+        args.uid_base,
+        &host::cgroup::parent_for(&args.data_dir),
+    )?;
     let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
     let sandboxes = Arc::new(sandboxes::Sandboxes::new(
         args.clone(),
@@ -57,6 +61,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     ));
     sandboxes.recover().await.context("recover sandboxes")?;
     tokio::spawn(sandboxes.clone().expire_loop(Duration::from_millis(500)));
+    tokio::spawn(sandboxes.clone().pool_loop());
 
     let state = Arc::new(api::AppState { sandboxes, api_key });
     let app = api::router(state);

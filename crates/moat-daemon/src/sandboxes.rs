@@ -14,7 +14,7 @@ use tokio::sync::RwLock;
 
 use crate::agent::AgentClient;
 use crate::config::ServeArgs;
-use crate::db::{Db, SandboxRecord};
+use crate::db::{Claim, Db, SandboxRecord};
 use crate::error::{ApiError, ApiResult};
 use crate::template::store::TemplateStore;
 use crate::tier::container::MAX_SLOTS;
@@ -26,6 +26,8 @@ pub struct Sandboxes {
     pub templates: Arc<TemplateStore>,
     tiers: HashMap<Isolation, Arc<dyn IsolationTier>>,
     agents: RwLock<HashMap<String, Arc<AgentClient>>>,
+    pool_wake: tokio::sync::Notify,
+    pool_paused: std::sync::atomic::AtomicBool,
     host_cpus: f64,
     host_memory_mb: u64,
 }
@@ -118,6 +120,8 @@ impl Sandboxes {
             templates,
             tiers: tiers.into_iter().map(|t| (t.isolation(), t)).collect(),
             agents: RwLock::new(HashMap::new()),
+            pool_wake: tokio::sync::Notify::new(),
+            pool_paused: std::sync::atomic::AtomicBool::new(false),
             host_cpus,
             host_memory_mb,
         }
@@ -224,25 +228,102 @@ impl Sandboxes {
         let template_rootfs = self.templates.ensure(&self.db, &template).await?;
 
         let now = now_ms();
-        let id = new_sandbox_id();
-        let mut rec = SandboxRecord {
-            hostname: format!("sbx-{}", &id[4..16]),
-            id: id.clone(),
-            template,
-            isolation,
-            state: SandboxState::Starting,
+        let claim = Claim {
+            template: template.clone(),
             created_at_ms: now,
             expires_at_ms: now + 1000 * req.timeout.unwrap_or(self.args.default_timeout) as i64,
             metadata: req.metadata,
             env: req.env,
             cpu: req.cpu.unwrap_or(self.args.default_cpu),
             memory_mb: req.memory_mb.unwrap_or(self.args.default_memory_mb),
+        };
+        if self.pool_serves(&template, isolation) {
+            if let Some(rec) = self.claim(&claim, &tier).await {
+                return Ok(to_api(&rec));
+            }
+        }
+        let id = new_sandbox_id();
+        let rec = SandboxRecord {
+            hostname: format!("sbx-{}", &id[4..16]),
+            id,
+            template,
+            isolation,
+            state: SandboxState::Starting,
+            created_at_ms: claim.created_at_ms,
+            expires_at_ms: claim.expires_at_ms,
+            metadata: claim.metadata,
+            env: claim.env,
+            cpu: claim.cpu,
+            memory_mb: claim.memory_mb,
             slot: 0,
             tier_state: None,
+            pooled: false,
         };
+        let rec = self.start_new(rec, tier, template_rootfs).await?;
+        tracing::info!(sandbox = %rec.id, template = %rec.template, "created");
+        Ok(to_api(&rec))
+    }
+
+    fn pool_serves(&self, template: &str, isolation: Isolation) -> bool {
+        self.args.pool_size > 0
+            && template == self.args.default_template
+            && isolation == Isolation::Container
+    }
+
+    /// Takes a sandbox from the warm pool and gives it the creator's limits and environment.
+    async fn claim(&self, claim: &Claim, tier: &Arc<dyn IsolationTier>) -> Option<SandboxRecord> {
+        let rec = match self.db.claim_pooled(claim) {
+            Ok(Some(rec)) => rec,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::error!("pool claim: {e:#}");
+                return None;
+            }
+        };
+        self.pool_wake.notify_one();
+        let prepared = async {
+            let state = rec.tier_state.clone().unwrap_or_default();
+            if (claim.cpu, claim.memory_mb) != (self.args.default_cpu, self.args.default_memory_mb)
+            {
+                tier.set_limits(&rec.id, &state, claim.cpu, claim.memory_mb)
+                    .await?;
+            }
+            if !claim.env.is_empty() {
+                self.agent(&rec.id)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{}", e.0))?
+                    .set_env(&claim.env)
+                    .await?;
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        match prepared {
+            Ok(()) => {
+                tracing::info!(sandbox = %rec.id, template = %rec.template, "created (from the warm pool)");
+                Some(rec)
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %rec.id, "pooled sandbox unusable, starting a new one: {e:#}");
+                if let Err(e) = self.destroy(rec).await {
+                    tracing::error!("{e:#}");
+                }
+                None
+            }
+        }
+    }
+
+    /// Starts a sandbox from nothing: database row, tier, agent handshake. Removes what it made on failure.
+    async fn start_new(
+        &self,
+        mut rec: SandboxRecord,
+        tier: Arc<dyn IsolationTier>,
+        template_rootfs: std::path::PathBuf,
+    ) -> ApiResult<SandboxRecord> {
         self.db
             .insert_sandbox(&mut rec, MAX_SLOTS)
             .map_err(|e| ApiError::new(ErrorCode::Conflict, format!("{e:#}")))?;
+        let id = rec.id.clone();
         let spec = SandboxSpec {
             id: id.clone(),
             hostname: rec.hostname.clone(),
@@ -260,15 +341,15 @@ impl Sandboxes {
             let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
             agent.wait_ready(Duration::from_secs(20)).await?;
             self.db.set_tier_state(&id, SandboxState::Running, &state)?;
-            anyhow::Ok(agent)
+            anyhow::Ok((agent, state))
         }
         .await;
         match started {
-            Ok(agent) => {
+            Ok((agent, state)) => {
                 self.agents.write().await.insert(id.clone(), agent);
                 rec.state = SandboxState::Running;
-                tracing::info!(sandbox = %id, template = %rec.template, "created");
-                Ok(to_api(&rec))
+                rec.tier_state = Some(state);
+                Ok(rec)
             }
             Err(e) => {
                 let state = self
@@ -288,6 +369,98 @@ impl Sandboxes {
         }
     }
 
+    /// Keeps `pool_size` sandboxes of the default template started, forever. Only fills from a
+    /// template that is ready: it never starts a template build.
+    pub async fn pool_loop(self: Arc<Self>) {
+        if self.args.pool_size == 0 {
+            return;
+        }
+        let template = self.args.default_template.clone();
+        loop {
+            let ready = matches!(self.db.get_template(&template), Ok(Some(t)) if t.status == moat_api::TemplateStatus::Ready);
+            let have = self.db.pooled_count(&template).unwrap_or(u64::MAX);
+            if !ready
+                || self.pool_paused.load(std::sync::atomic::Ordering::Relaxed)
+                || have >= self.args.pool_size as u64
+            {
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), self.pool_wake.notified()).await;
+                continue;
+            }
+            if let Err(e) = self.fill_one(&template).await {
+                tracing::warn!("warm pool: {}", e.0);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
+
+    async fn fill_one(&self, template: &str) -> ApiResult<()> {
+        let tier = self.tier(Isolation::Container)?;
+        let rootfs = self.templates.rootfs(template);
+        let id = new_sandbox_id();
+        let rec = SandboxRecord {
+            hostname: format!("sbx-{}", &id[4..16]),
+            id,
+            template: template.to_string(),
+            isolation: Isolation::Container,
+            state: SandboxState::Starting,
+            created_at_ms: now_ms(),
+            expires_at_ms: i64::MAX / 2,
+            metadata: BTreeMap::new(),
+            env: BTreeMap::new(),
+            cpu: self.args.default_cpu,
+            memory_mb: self.args.default_memory_mb,
+            slot: 0,
+            tier_state: None,
+            pooled: true,
+        };
+        let rec = self.start_new(rec, tier, rootfs).await?;
+        tracing::debug!(sandbox = %rec.id, "added to the warm pool");
+        Ok(())
+    }
+
+    /// Removes the pooled sandboxes of a template (before it is rebuilt or removed) and stops refilling
+    /// until `resume_pool`.
+    pub async fn drain_pool(&self, template: &str) -> ApiResult<()> {
+        self.pool_paused
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        for rec in self.db.list_sandboxes()? {
+            if rec.pooled && rec.template == template && rec.state != SandboxState::Starting {
+                self.destroy(rec).await?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn pool_info(&self) -> Option<moat_api::PoolInfo> {
+        if self.args.pool_size == 0 {
+            return None;
+        }
+        let template = self.args.default_template.clone();
+        let ready = self
+            .db
+            .list_sandboxes()
+            .map(|all| {
+                all.iter()
+                    .filter(|r| {
+                        r.pooled && r.template == template && r.state == SandboxState::Running
+                    })
+                    .count() as u32
+            })
+            .unwrap_or(0);
+        Some(moat_api::PoolInfo {
+            template,
+            size: self.args.pool_size,
+            ready,
+        })
+    }
+
+    pub fn resume_pool(&self) {
+        self.pool_paused
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.pool_wake.notify_one();
+    }
+
     fn record(&self, id: &str) -> ApiResult<SandboxRecord> {
         if !valid_sandbox_id(id) {
             return Err(ApiError::not_found(
@@ -297,6 +470,7 @@ impl Sandboxes {
         }
         self.db
             .get_sandbox(id)?
+            .filter(|r| !r.pooled)
             .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))
     }
 
@@ -309,6 +483,7 @@ impl Sandboxes {
             .db
             .list_sandboxes()?
             .iter()
+            .filter(|r| !r.pooled)
             .filter(|r| filter.state.is_none_or(|s| s == r.state))
             .filter(|r| {
                 filter

@@ -173,6 +173,7 @@ async fn health(State(st): St) -> Json<moat_api::Health> {
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         tiers: st.sandboxes.tier_infos(),
+        pool: st.sandboxes.pool_info(),
     })
 }
 

@@ -94,6 +94,9 @@ fn tokio_stream_from<T: Send + 'static>(
 #[utoipa::path(delete, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
     responses((status = 204), (status = 404, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
 pub async fn delete(State(st): St, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    st.sandboxes.templates.remove(&st.sandboxes.db, &name)?;
+    st.sandboxes.drain_pool(&name).await?;
+    let removed = st.sandboxes.templates.remove(&st.sandboxes.db, &name);
+    st.sandboxes.resume_pool();
+    removed?;
     Ok(StatusCode::NO_CONTENT)
 }

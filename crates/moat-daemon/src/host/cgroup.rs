@@ -9,8 +9,20 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-/// Group every moat cgroup lives under, in each hierarchy.
+/// Group every moat cgroup lives under, in each hierarchy, for the default data directory. Daemons
+/// with another data directory use `moat-<hash>` (see `parent_for`), so two daemons on one host never
+/// take each other's sandboxes for leftovers.
 pub const PARENT: &str = "moat";
+
+/// The cgroup parent of a daemon with this data directory.
+pub fn parent_for(data_dir: &Path) -> String {
+    if data_dir == Path::new("/var/lib/moat") {
+        return PARENT.to_string();
+    }
+    use sha2::Digest;
+    let h = sha2::Sha256::digest(data_dir.as_os_str().as_encoded_bytes());
+    format!("{PARENT}-{}", &hex::encode(h)[..8])
+}
 
 const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"];
 
@@ -18,9 +30,9 @@ const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CgroupLayout {
     /// One directory per controller (`/sys/fs/cgroup/memory`, ...).
-    V1 { root: PathBuf },
+    V1 { root: PathBuf, parent: String },
     /// One unified hierarchy.
-    V2 { root: PathBuf },
+    V2 { root: PathBuf, parent: String },
 }
 
 /// Limits applied to a group.
@@ -39,13 +51,14 @@ const CPU_PERIOD_US: u64 = 100_000;
 
 impl CgroupLayout {
     /// Detects the layout of the cgroup mount at `/sys/fs/cgroup`.
-    pub fn detect() -> Result<CgroupLayout> {
+    pub fn detect(parent: &str) -> Result<CgroupLayout> {
+        let parent = parent.to_string();
         let root = PathBuf::from("/sys/fs/cgroup");
         let fs = nix::sys::statfs::statfs(&root).context("statfs /sys/fs/cgroup")?;
         if fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC {
-            Ok(CgroupLayout::V2 { root })
+            Ok(CgroupLayout::V2 { root, parent })
         } else if root.join("memory").is_dir() {
-            Ok(CgroupLayout::V1 { root })
+            Ok(CgroupLayout::V1 { root, parent })
         } else {
             bail!("no usable cgroup hierarchy at /sys/fs/cgroup (neither cgroup2 nor a v1 memory controller)")
         }
@@ -58,8 +71,8 @@ impl CgroupLayout {
     /// Directories of the group `name` (one per hierarchy; v1 hierarchies mounted together are listed once).
     pub fn dirs(&self, name: &str) -> Vec<PathBuf> {
         match self {
-            CgroupLayout::V2 { root } => vec![root.join(PARENT).join(name)],
-            CgroupLayout::V1 { root } => {
+            CgroupLayout::V2 { root, parent } => vec![root.join(parent).join(name)],
+            CgroupLayout::V1 { root, parent } => {
                 let mut seen: Vec<PathBuf> = Vec::new();
                 let mut out = Vec::new();
                 for c in V1_CONTROLLERS {
@@ -72,7 +85,7 @@ impl CgroupLayout {
                         continue;
                     }
                     seen.push(real);
-                    out.push(base.join(PARENT).join(name));
+                    out.push(base.join(parent).join(name));
                 }
                 out
             }
@@ -107,8 +120,8 @@ impl CgroupLayout {
 
     /// Creates the group `name` with `limits`. Idempotent.
     pub fn create(&self, name: &str, limits: &Limits) -> Result<()> {
-        if let CgroupLayout::V2 { root } = self {
-            let parent = root.join(PARENT);
+        if let CgroupLayout::V2 { root, parent } = self {
+            let parent = root.join(parent);
             std::fs::create_dir_all(&parent)
                 .with_context(|| format!("mkdir {}", parent.display()))?;
             // Controllers must be enabled top-down for the leaf to get their files.
@@ -161,10 +174,10 @@ impl CgroupLayout {
     /// Path of a control file of group `name` (`memory.max`, `pids.max`, ...).
     pub fn file_in(&self, name: &str, file: &str) -> Option<PathBuf> {
         match self {
-            CgroupLayout::V2 { root } => Some(root.join(PARENT).join(name).join(file)),
-            CgroupLayout::V1 { root } => {
+            CgroupLayout::V2 { root, parent } => Some(root.join(parent).join(name).join(file)),
+            CgroupLayout::V1 { root, parent } => {
                 let controller = file.split('.').next()?;
-                Some(root.join(controller).join(PARENT).join(name).join(file))
+                Some(root.join(controller).join(parent).join(name).join(file))
             }
         }
     }
@@ -284,6 +297,7 @@ mod tests {
     fn v2_files() {
         let l = CgroupLayout::V2 {
             root: "/sys/fs/cgroup".into(),
+            parent: PARENT.into(),
         };
         let files = l.limit_files(&limits());
         assert!(files.contains(&("cpu.max".into(), "50000 100000".into())));
@@ -304,6 +318,7 @@ mod tests {
     fn v1_files() {
         let l = CgroupLayout::V1 {
             root: "/sys/fs/cgroup".into(),
+            parent: PARENT.into(),
         };
         let files = l.limit_files(&limits());
         assert!(files.contains(&("cpu.cfs_quota_us".into(), "50000".into())));
@@ -319,8 +334,19 @@ mod tests {
     }
 
     #[test]
+    fn parent_per_data_dir() {
+        assert_eq!(parent_for(Path::new("/var/lib/moat")), "moat");
+        let a = parent_for(Path::new("/tmp/a"));
+        assert!(a.starts_with("moat-") && a.len() == 13, "{a}");
+        assert_ne!(a, parent_for(Path::new("/tmp/b")));
+    }
+
+    #[test]
     fn tiny_cpu_quota_is_floored() {
-        let l = CgroupLayout::V2 { root: "/x".into() };
+        let l = CgroupLayout::V2 {
+            root: "/x".into(),
+            parent: PARENT.into(),
+        };
         let files = l.limit_files(&Limits {
             cpu: 0.0001,
             ..limits()

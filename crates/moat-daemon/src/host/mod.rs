@@ -1,6 +1,8 @@
 //! Host mechanisms, one module each. Nothing here knows about sandboxes as an API concept: each module
 //! creates, inspects and removes one kind of kernel object.
 
+pub mod caps;
 pub mod cgroup;
 pub mod mount;
 pub mod proc;
+pub mod seccomp;

@@ -50,6 +50,15 @@ pub trait IsolationTier: Send + Sync {
     /// Whether the sandbox described by `state` still runs (used when re-adopting after a restart).
     async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
 
+    /// Changes the CPU and memory limits of a running sandbox.
+    async fn set_limits(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        cpu: f64,
+        memory_mb: u64,
+    ) -> Result<()>;
+
     /// Freezes every process of the sandbox.
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()>;
 

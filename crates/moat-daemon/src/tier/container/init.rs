@@ -1,7 +1,8 @@
 //! The sandbox init helper: a fresh, single-threaded `moat __sandbox-init CONFIG` process that the
 //! container tier spawns for each sandbox. It enters new namespaces, waits while the daemon writes its
 //! uid/gid maps and mounts the root filesystem, then forks the sandbox's PID 1, which builds /proc, /dev
-//! and the agent mount, pivots into the root filesystem and execs the agent.
+//! and the agent mount, pivots into the root filesystem, hardens itself (masked /proc and /sys paths,
+//! capability bounding set, no_new_privs, seccomp; see docs/hardening.md) and execs the agent.
 //!
 //! File descriptors: 3 = the agent's listening unix socket (kept across exec), 4 = the sync socket to the
 //! daemon (close-on-exec, so the daemon sees EOF once the agent runs). Messages on the sync socket:
@@ -20,6 +21,8 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 use nix::unistd::{fork, ForkResult};
 use serde::{Deserialize, Serialize};
+
+use crate::host::{caps, seccomp};
 
 /// argv[1] that selects the init helper.
 pub const INIT_ARG: &str = "__sandbox-init";
@@ -93,9 +96,38 @@ fn run(cfg: &InitConfig, sync: &mut UnixStream) -> Result<()> {
     }
 }
 
+/// Files under /proc and /sys that show host-wide state (kernel memory, keys, timers of every process,
+/// hardware) or drive host hardware: covered by /dev/null (files) or an empty read-only tmpfs (dirs), as
+/// runc does for Docker.
+const MASKED_PATHS: &[&str] = &[
+    "proc/acpi",
+    "proc/asound",
+    "proc/kcore",
+    "proc/keys",
+    "proc/latency_stats",
+    "proc/timer_list",
+    "proc/timer_stats",
+    "proc/sched_debug",
+    "proc/scsi",
+    "sys/firmware",
+    "sys/devices/virtual/powercap",
+];
+/// Made read-only (kernel tunables, IRQ affinity, the magic SysRq key), as runc does for Docker.
+const READONLY_PATHS: &[&str] = &[
+    "proc/bus",
+    "proc/fs",
+    "proc/irq",
+    "proc/sys",
+    "proc/sysrq-trigger",
+];
+
 /// Runs as PID 1 of the new pid namespace; only returns on error.
 fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
+    // Compiled first so a bad policy fails the start with a clear message.
+    let filters = seccomp::compile()?;
     nix::unistd::sethostname(&cfg.hostname).context("sethostname")?;
+    // Needs CAP_NET_ADMIN, which the agent no longer has.
+    loopback_up().context("bring lo up")?;
     mount(
         None::<&str>,
         "/",
@@ -124,6 +156,9 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
         None::<&str>,
     )
     .context("mount /proc")?;
+    // Without CAP_NET_RAW, ping needs ICMP datagram sockets: allow them for every group of the sandbox
+    // (its own network namespace's setting). Best effort: a kernel without it only loses ping.
+    let _ = std::fs::write(proc_dir.join("sys/net/ipv4/ping_group_range"), "0 65535");
     let sys_dir = mkdir(root, "sys")?;
     // sysfs needs a network namespace of our own (we have one); read-only either way.
     if mount(
@@ -144,6 +179,7 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
         )
         .context("mount /sys")?;
     }
+    mask_paths(root)?;
     setup_dev(root, &cfg.agent)?;
 
     std::env::set_current_dir(root).context("chdir rootfs")?;
@@ -167,6 +203,9 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
         CString::new("--listen-fd").context("argv")?,
         CString::new(LISTEN_FD.to_string()).context("argv")?,
     ];
+    // Last: from here on this process is as confined as everything it will start.
+    caps::restrict()?;
+    seccomp::install(&filters)?;
     let e = nix::unistd::execve(&prog, &argv, &envp).unwrap_err();
     bail!("exec agent: {e}")
 }
@@ -243,31 +282,109 @@ fn setup_dev(root: &Path, agent: &Path) -> Result<()> {
         None::<&str>,
     )
     .context("bind agent")?;
-    // A bind remount must keep the locked flags of the source mount, or the kernel refuses it.
-    let src_flags = nix::sys::statvfs::statvfs(agent)
-        .context("statvfs agent")?
+    remount_readonly(&agent_target, agent).context("remount agent read-only")?;
+    Ok(())
+}
+
+/// Remounts the bind mount at `target` read-only, nosuid and nodev. A bind remount must keep the locked
+/// flags of the mount it copies (`source`) or the kernel refuses it, so noexec and the atime mode are
+/// carried over.
+fn remount_readonly(target: &Path, source: &Path) -> Result<()> {
+    use nix::sys::statvfs::FsFlags;
+    let src_flags = nix::sys::statvfs::statvfs(source)
+        .with_context(|| format!("statvfs {}", source.display()))?
         .flags();
     let mut flags = MsFlags::MS_REMOUNT
         | MsFlags::MS_BIND
         | MsFlags::MS_RDONLY
         | MsFlags::MS_NOSUID
         | MsFlags::MS_NODEV;
-    if src_flags.contains(nix::sys::statvfs::FsFlags::ST_NOEXEC) {
-        flags |= MsFlags::MS_NOEXEC;
+    for (have, set) in [
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+    ] {
+        if src_flags.contains(have) {
+            flags |= set;
+        }
     }
-    if src_flags.contains(nix::sys::statvfs::FsFlags::ST_NOATIME) {
-        flags |= MsFlags::MS_NOATIME;
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+        .with_context(|| format!("remount {} read-only", target.display()))
+}
+
+/// Masks [`MASKED_PATHS`] and makes [`READONLY_PATHS`] read-only under the new root's /proc and /sys.
+/// Paths this kernel does not have are skipped. The sandbox cannot undo any of it: umount and mount are
+/// denied by seccomp and CAP_SYS_ADMIN is out of its bounding set.
+fn mask_paths(root: &Path) -> Result<()> {
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    for rel in MASKED_PATHS {
+        let p = root.join(rel);
+        let Ok(meta) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        if meta.is_dir() {
+            mount(
+                Some("tmpfs"),
+                &p,
+                Some("tmpfs"),
+                ro,
+                Some("size=4k,mode=555"),
+            )
+            .with_context(|| format!("mask /{rel}"))?;
+        } else {
+            mount(
+                Some("/dev/null"),
+                &p,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .with_context(|| format!("mask /{rel}"))?;
+        }
     }
-    if src_flags.contains(nix::sys::statvfs::FsFlags::ST_RELATIME) {
-        flags |= MsFlags::MS_RELATIME;
+    for rel in READONLY_PATHS {
+        let p = root.join(rel);
+        if std::fs::symlink_metadata(&p).is_err() {
+            continue;
+        }
+        mount(
+            Some(&p),
+            &p,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .with_context(|| format!("bind /{rel}"))?;
+        remount_readonly(&p, &p).with_context(|| format!("make /{rel} read-only"))?;
     }
-    mount(
-        None::<&str>,
-        &agent_target,
-        None::<&str>,
-        flags,
-        None::<&str>,
-    )
-    .context("remount agent read-only")?;
+    Ok(())
+}
+
+/// Sets IFF_UP on `lo` of the sandbox's network namespace (needs CAP_NET_ADMIN, so before the drop).
+fn loopback_up() -> std::io::Result<()> {
+    // SAFETY: socket() has no memory preconditions; the fd is owned (and closed) by `sock`.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh fd nothing else owns.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    use std::os::fd::AsRawFd;
+    // SAFETY: ifreq is plain data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: `ifr` is a valid ifreq naming "lo"; SIOCGIFFLAGS fills ifru_flags.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just wrote ifru_flags, the union member we read and update.
+    unsafe { ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    // SAFETY: as above; SIOCSIFFLAGS reads ifr_name and ifru_flags.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(())
 }

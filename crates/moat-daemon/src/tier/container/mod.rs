@@ -55,7 +55,12 @@ pub struct ContainerTier {
 }
 
 impl ContainerTier {
-    pub fn new(root: PathBuf, agent: PathBuf, uid_base: u32) -> Result<ContainerTier> {
+    pub fn new(
+        root: PathBuf,
+        agent: PathBuf,
+        uid_base: u32,
+        cgroup_parent: &str,
+    ) -> Result<ContainerTier> {
         std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
         // 0711: the sandbox init (host uid of its range, not root) must traverse it to reach its rootfs;
         // no one but root may list it.
@@ -66,7 +71,7 @@ impl ContainerTier {
         let self_exe = std::fs::read_link("/proc/self/exe").context("find own executable")?;
         Ok(ContainerTier {
             root,
-            cgroups: CgroupLayout::detect()?,
+            cgroups: CgroupLayout::detect(cgroup_parent)?,
             agent,
             self_exe,
             uid_base,
@@ -300,6 +305,23 @@ impl IsolationTier for ContainerTier {
 
     async fn is_alive(&self, _id: &str, state: &serde_json::Value) -> bool {
         parse_state(state).is_ok_and(|s| proc::is_same_process(s.agent_pid, s.agent_start_ticks))
+    }
+
+    async fn set_limits(
+        &self,
+        id: &str,
+        _state: &serde_json::Value,
+        cpu: f64,
+        memory_mb: u64,
+    ) -> Result<()> {
+        self.cgroups.create(
+            id,
+            &Limits {
+                cpu,
+                memory_bytes: memory_mb << 20,
+                pids: PIDS_LIMIT,
+            },
+        )
     }
 
     async fn pause(&self, id: &str, _state: &serde_json::Value) -> Result<()> {

@@ -1,0 +1,104 @@
+//! The warm pool: creates of the default template take a sandbox started ahead of demand, get the
+//! creator's environment and limits, and the pool refills.
+
+use std::time::Duration;
+
+use moat_api::{CreateSandboxRequest, RegisterTemplateRequest};
+
+use crate::harness::*;
+
+async fn pool_ready(c: &moat_client::Client) -> u32 {
+    c.health().await.unwrap().pool.map(|p| p.ready).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn creates_are_served_from_the_warm_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let d = Daemon::start_with(
+        &tmp.path().join("data"),
+        &["--default-template", "bb", "--pool-size", "2"],
+    );
+    let c = d.client();
+    let health = c.health().await.unwrap();
+    let pool = health.pool.expect("pool info");
+    assert_eq!((pool.template.as_str(), pool.size), ("bb", 2));
+    c.register_template(&RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
+    let mut ready = 0;
+    for _ in 0..200 {
+        ready = pool_ready(&c).await;
+        if ready == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready, 2, "pool did not fill");
+    // Pooled sandboxes are not anyone's yet: not listed.
+    assert!(c
+        .list_sandboxes(&Default::default())
+        .await
+        .unwrap()
+        .is_empty());
+
+    let s = c
+        .create_sandbox(&CreateSandboxRequest {
+            env: env(&[("GREETING", "from-the-pool")]),
+            metadata: env(&[("k", "v")]),
+            cpu: Some(0.5),
+            memory_mb: Some(128),
+            timeout: Some(60),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let log = std::fs::read_to_string(d.data_dir.join("daemon.log")).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("from the warm pool") && l.contains(&s.id)),
+        "{} was not served from the pool",
+        s.id
+    );
+    assert_eq!(s.template, "bb");
+    assert_eq!(s.metadata.get("k").map(String::as_str), Some("v"));
+    let out = sh(&c, &s.id, "echo $GREETING; hostname").await;
+    assert_eq!(out.stdout, format!("from-the-pool\n{}\n", s.hostname));
+    let mem = cgroup_file(&s.id, "memory", "memory.limit_in_bytes")
+        .or_else(|_| cgroup_file(&s.id, "memory", "memory.max"))
+        .unwrap();
+    assert_eq!(mem.trim(), (128u64 << 20).to_string());
+    let quota = cgroup_file(&s.id, "cpu", "cpu.cfs_quota_us")
+        .or_else(|_| cgroup_file(&s.id, "cpu", "cpu.max"))
+        .unwrap();
+    assert!(quota.starts_with("50000"), "{quota}");
+    let listed = c.list_sandboxes(&Default::default()).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    // The pool refills.
+    let mut refilled = false;
+    for _ in 0..200 {
+        if pool_ready(&c).await == 2 {
+            refilled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refilled, "pool did not refill");
+    let facts = host_facts(&s.id);
+    c.delete_sandbox(&s.id).await.unwrap();
+    assert_no_leaks(&facts, &d.data_dir);
+    // Removing the template drains its pool first.
+    c.delete_template("bb").await.unwrap();
+    assert_eq!(pool_ready(&c).await, 0);
+    d.stop();
+    assert!(
+        std::fs::read_dir(d.data_dir.join("sandboxes"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "pooled sandboxes left"
+    );
+}
