@@ -6,6 +6,7 @@ mod harness;
 mod bad_input;
 mod cli;
 mod commands;
+mod escape;
 mod files;
 mod isolation;
 mod lifecycle;

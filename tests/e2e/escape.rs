@@ -1,0 +1,487 @@
+//! The escape suite: attacks as data (`tests/escape/cases.json`), run here against real sandboxes of the
+//! `base` template. The test fails listing every case that did not hold, and writes
+//! `docs/escape-report.md`. Skipped and not-yet-applicable (`tier_todo`) cases are reported as such and
+//! never count as passed.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use moat_api::{CreateSandboxRequest, StartProcessRequest};
+use moat_client::Client;
+use serde::Deserialize;
+
+use crate::harness::*;
+
+const CASES: &str = include_str!("../escape/cases.json");
+/// Sandboxes that share the ordinary cases (the machine has 2 cores).
+const WORKERS: usize = 3;
+const TIER: &str = "container";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Suite {
+    version: u32,
+    #[allow(dead_code)]
+    comment: String,
+    prelude: Vec<String>,
+    cases: Vec<Case>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Case {
+    id: String,
+    category: String,
+    source: String,
+    #[serde(default)]
+    kind: Kind,
+    #[serde(default)]
+    attack: Vec<String>,
+    #[serde(default)]
+    setup: Vec<String>,
+    #[serde(default)]
+    path: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    expect_stdout_contains: Vec<String>,
+    #[serde(default)]
+    expect_stdout_not_contains: Vec<String>,
+    #[serde(default)]
+    expect_exit: Option<i32>,
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    memory_mb: Option<u64>,
+    #[serde(default)]
+    cpu: Option<f64>,
+    #[serde(default)]
+    tier_todo: Option<String>,
+    #[serde(default)]
+    skip: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum Kind {
+    #[default]
+    Shell,
+    Resource,
+    ApiRead,
+    ApiTar,
+    ApiWrite,
+}
+
+#[derive(Debug, Clone)]
+enum Verdict {
+    Held(String),
+    Failed(String),
+    Skipped(String),
+}
+
+/// Values the cases' placeholders stand for.
+struct Vars {
+    secret: String,
+    secret_path: String,
+    write_path: String,
+    api_key_b64: String,
+    daemon_port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl Vars {
+    fn fill(&self, s: &str) -> String {
+        s.replace("{SECRET_PATH}", &self.secret_path)
+            .replace("{SECRET}", &self.secret)
+            .replace("{WRITE_PATH}", &self.write_path)
+            .replace("{API_KEY_B64}", &self.api_key_b64)
+            .replace("{DAEMON_PORT}", &self.daemon_port.to_string())
+    }
+}
+
+fn one_line(s: &str, max: usize) -> String {
+    let flat: String = s
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('|', "\\|");
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let tail: String = flat
+        .chars()
+        .rev()
+        .take(max)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    format!("…{tail}")
+}
+
+fn judge(case: &Case, vars: &Vars, out: &Output) -> Verdict {
+    let observed = one_line(&format!("{} {}", out.stdout, out.stderr), 120);
+    let mut why = Vec::new();
+    if out.stdout.contains("ESCAPED") {
+        why.push("printed ESCAPED".to_string());
+    }
+    for want in &case.expect_stdout_contains {
+        let want = vars.fill(want);
+        if !out.stdout.contains(&want) {
+            why.push(format!("missing {want:?}"));
+        }
+    }
+    for bad in &case.expect_stdout_not_contains {
+        let bad = vars.fill(bad);
+        if out.stdout.contains(&bad) {
+            why.push(format!("contains {bad:?}"));
+        }
+    }
+    if let Some(code) = case.expect_exit {
+        if out.exit.exit_code != Some(code) {
+            why.push(format!("exit {:?}, want {code}", out.exit.exit_code));
+        }
+    }
+    if why.is_empty() {
+        Verdict::Held(observed)
+    } else {
+        Verdict::Failed(format!("{}; observed: {observed}", why.join(", ")))
+    }
+}
+
+async fn run_script(c: &Client, id: &str, script: &str, user: Option<String>, secs: u64) -> Output {
+    let req = StartProcessRequest {
+        cmd: Some(vec!["/bin/bash".into(), "-c".into(), script.into()]),
+        user,
+        timeout: Some(secs as f64),
+        ..Default::default()
+    };
+    match tokio::time::timeout(Duration::from_secs(secs + 30), run_req(c, id, req)).await {
+        Ok(o) => o,
+        Err(_) => Output {
+            stderr: format!("runner: no exit within {} s", secs + 30),
+            ..Default::default()
+        },
+    }
+}
+
+fn script(suite: &Suite, case: &Case, vars: &Vars) -> String {
+    let mut s = suite.prelude.join("\n");
+    s.push('\n');
+    s.push_str(&vars.fill(&case.attack.join("\n")));
+    s.push('\n');
+    s
+}
+
+async fn run_shell(c: &Client, sbx: &str, suite: &Suite, case: &Case, vars: &Vars) -> Verdict {
+    let secs = case.timeout.unwrap_or(30);
+    let out = run_script(c, sbx, &script(suite, case, vars), case.user.clone(), secs).await;
+    judge(case, vars, &out)
+}
+
+async fn read_stream(st: moat_client::Result<moat_client::ByteStream>) -> Result<Vec<u8>, String> {
+    let mut st = st.map_err(|e| e.to_string())?;
+    let mut v = Vec::new();
+    while let Some(b) = st.next().await {
+        v.extend_from_slice(&b.map_err(|e| e.to_string())?);
+    }
+    Ok(v)
+}
+
+async fn run_api(c: &Client, sbx: &str, case: &Case, vars: &Vars) -> Verdict {
+    if !case.setup.is_empty() {
+        let out = run_script(c, sbx, &vars.fill(&case.setup.join("\n")), None, 30).await;
+        if out.exit.exit_code != Some(0) {
+            return Verdict::Failed(format!("setup failed: {}", one_line(&out.stderr, 120)));
+        }
+    }
+    let path = vars.fill(case.path.as_deref().unwrap_or("/"));
+    match case.kind {
+        Kind::ApiRead | Kind::ApiTar => {
+            let got = if case.kind == Kind::ApiRead {
+                read_stream(c.read_file(sbx, &path).await).await
+            } else {
+                read_stream(c.download_tar(sbx, &path).await).await
+            };
+            match got {
+                Ok(bytes)
+                    if bytes
+                        .windows(vars.secret.len())
+                        .any(|w| w == vars.secret.as_bytes()) =>
+                {
+                    Verdict::Failed("the host file's content came back".into())
+                }
+                Ok(bytes) => Verdict::Held(format!(
+                    "{} bytes, none of them the host file's",
+                    bytes.len()
+                )),
+                Err(e) => Verdict::Held(format!("refused: {}", one_line(&e, 100))),
+            }
+        }
+        Kind::ApiWrite => {
+            let r = c
+                .write_file(sbx, &path, "moat-escape-write", &Default::default())
+                .await;
+            if std::path::Path::new(&vars.write_path).exists() {
+                Verdict::Failed(format!("{} appeared on the host", vars.write_path))
+            } else {
+                Verdict::Held(match r {
+                    Ok(_) => "written inside the sandbox only".into(),
+                    Err(e) => format!("refused: {}", one_line(&e.to_string(), 100)),
+                })
+            }
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Runs a resource attack in a sandbox of its own while a neighbour's exec and the daemon must keep
+/// answering.
+async fn run_resource(
+    c: &Client,
+    neighbour: &str,
+    suite: &Suite,
+    case: &Case,
+    vars: &Vars,
+) -> Verdict {
+    let sbx = match c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("base".into()),
+            timeout: Some(600),
+            memory_mb: case.memory_mb,
+            cpu: case.cpu,
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => return Verdict::Failed(format!("create attack sandbox: {e}")),
+    };
+    let secs = case.timeout.unwrap_or(30);
+    let attack = {
+        let (c, id, s, user) = (
+            c.clone(),
+            sbx.id.clone(),
+            script(suite, case, vars),
+            case.user.clone(),
+        );
+        tokio::spawn(async move { run_script(&c, &id, &s, user, secs).await })
+    };
+    let mut probe_failures = Vec::new();
+    let mut probes = 0;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while !attack.is_finished() {
+        let t = Instant::now();
+        let probe = tokio::time::timeout(
+            Duration::from_secs(15),
+            run_script(c, neighbour, "echo neighbour-ok", None, 10),
+        )
+        .await;
+        match probe {
+            Ok(o) if o.stdout == "neighbour-ok\n" => {}
+            Ok(o) => probe_failures.push(format!(
+                "neighbour exec: {} {:?}",
+                one_line(&format!("{} {}", o.stdout, o.stderr), 80),
+                o.exit
+            )),
+            Err(_) => probe_failures.push("neighbour exec took over 15 s".into()),
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            probe_failures.push(format!("neighbour exec took {:?}", t.elapsed()));
+        }
+        match tokio::time::timeout(Duration::from_secs(5), c.health()).await {
+            Ok(Ok(_)) => {}
+            other => probe_failures.push(format!("daemon health: {other:?}")),
+        }
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let out = attack.await.unwrap_or_default();
+    let _ = c.delete_sandbox(&sbx.id).await;
+    if probes == 0 {
+        probe_failures.push("the attack ended before the neighbour was probed".into());
+    }
+    match judge(case, vars, &out) {
+        Verdict::Held(o) if probe_failures.is_empty() => {
+            Verdict::Held(format!("{o} (neighbour and daemon answered {probes}×)"))
+        }
+        Verdict::Held(o) => {
+            Verdict::Failed(format!("{}; observed: {o}", probe_failures.join(", ")))
+        }
+        other => other,
+    }
+}
+
+fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, usize, usize) {
+    let (mut held, mut failed, mut skipped) = (0, 0, 0);
+    let mut rows = String::new();
+    for case in &suite.cases {
+        let (result, observed) = match &results[&case.id] {
+            Verdict::Held(o) => {
+                held += 1;
+                ("held".to_string(), o.clone())
+            }
+            Verdict::Failed(o) => {
+                failed += 1;
+                ("**FAILED**".to_string(), o.clone())
+            }
+            Verdict::Skipped(why) => {
+                skipped += 1;
+                (format!("skipped ({})", one_line(why, 100)), String::new())
+            }
+        };
+        let _ = writeln!(
+            rows,
+            "| `{}` | {} | {TIER} | {result} | {} |",
+            case.id,
+            case.category,
+            one_line(&observed, 140)
+        );
+    }
+    let mut md = String::new();
+    let _ = writeln!(md, "# Escape suite report\n");
+    let _ = writeln!(
+        md,
+        "Generated by `cargo test -p moat-cli --test e2e escape` (tests/e2e/escape.rs) from \
+         `tests/escape/cases.json` (version {}). Do not edit by hand.\n",
+        suite.version
+    );
+    let _ = writeln!(
+        md,
+        "Tier `{TIER}`: {} cases, **{held} held, {failed} failed, {skipped} skipped** (skipped cases \
+         are not counted as passed).\n",
+        suite.cases.len()
+    );
+    let _ = writeln!(md, "| case | category | tier | result | observed |");
+    let _ = writeln!(md, "|---|---|---|---|---|");
+    md.push_str(&rows);
+    let _ = writeln!(md, "\n## Sources\n");
+    for case in &suite.cases {
+        let _ = writeln!(md, "- `{}`: {}", case.id, case.source);
+    }
+    std::fs::write(workspace_root().join("docs/escape-report.md"), md).unwrap();
+    (held, failed, skipped)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn escape_suite() {
+    let suite: Suite = serde_json::from_str(CASES).expect("parse tests/escape/cases.json");
+    assert_eq!(suite.version, 1);
+    for case in &suite.cases {
+        let runnable = case.tier_todo.is_none() && case.skip.is_none();
+        let api = matches!(case.kind, Kind::ApiRead | Kind::ApiTar | Kind::ApiWrite);
+        assert!(
+            !runnable
+                || api
+                || !case.expect_stdout_contains.is_empty()
+                || case.expect_exit.is_some(),
+            "case {} has nothing positive to observe",
+            case.id
+        );
+    }
+    // The shared daemon's first start blocks on a runtime of its own: not from inside this one.
+    let d = std::thread::spawn(shared).join().unwrap();
+    let c = d.client();
+
+    let dir = std::env::temp_dir().join(format!("moat-escape-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = format!("moat-host-secret-{:016x}", rand_u64());
+    let secret_path = dir.join("secret");
+    std::fs::write(&secret_path, &secret).unwrap();
+    use base64::Engine;
+    let vars = Vars {
+        secret,
+        secret_path: secret_path.display().to_string(),
+        write_path: dir.join("written").display().to_string(),
+        api_key_b64: base64::engine::general_purpose::STANDARD.encode(d.api_key()),
+        daemon_port: d.port,
+        dir,
+    };
+
+    let mut results: BTreeMap<String, Verdict> = BTreeMap::new();
+    let mut ordinary = Vec::new();
+    let mut resource = Vec::new();
+    for case in &suite.cases {
+        if let Some(why) = &case.tier_todo {
+            results.insert(
+                case.id.clone(),
+                Verdict::Skipped(format!("tier_todo: {why}")),
+            );
+        } else if let Some(why) = &case.skip {
+            results.insert(case.id.clone(), Verdict::Skipped(why.clone()));
+        } else if case.kind == Kind::Resource {
+            resource.push(case.clone());
+        } else {
+            ordinary.push(case.clone());
+        }
+    }
+
+    let mut workers = Vec::new();
+    for _ in 0..WORKERS {
+        workers.push(create(&c, "base").await);
+    }
+    let suite_ref = &suite;
+    let vars_ref = &vars;
+    let runs = workers.iter().enumerate().map(|(w, sbx)| {
+        let c = c.clone();
+        let mine: Vec<Case> = ordinary
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % WORKERS == w)
+            .map(|(_, k)| k.clone())
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for case in mine {
+                let v = if case.kind == Kind::Shell {
+                    run_shell(&c, &sbx.id, suite_ref, &case, vars_ref).await
+                } else {
+                    run_api(&c, &sbx.id, &case, vars_ref).await
+                };
+                out.push((case.id.clone(), v));
+            }
+            out
+        }
+    });
+    for batch in futures::future::join_all(runs).await {
+        results.extend(batch);
+    }
+    for case in &resource {
+        let v = run_resource(&c, &workers[0].id, &suite, case, &vars).await;
+        results.insert(case.id.clone(), v);
+    }
+    for w in &workers {
+        let _ = c.delete_sandbox(&w.id).await;
+    }
+    let _ = std::fs::remove_dir_all(&vars.dir);
+
+    let (held, failed, skipped) = write_report(&suite, &results);
+    let failures: Vec<String> = suite
+        .cases
+        .iter()
+        .filter_map(|k| match &results[&k.id] {
+            Verdict::Failed(why) => Some(format!("  {} ({}): {why}", k.id, k.category)),
+            _ => None,
+        })
+        .collect();
+    eprintln!(
+        "escape suite: {} cases, {held} held, {failed} failed, {skipped} skipped",
+        suite.cases.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} escape case(s) did not hold:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn rand_u64() -> u64 {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .unwrap();
+    u64::from_le_bytes(b)
+}
