@@ -1,4 +1,15 @@
-//! Duties of PID 1 besides reaping: bring up the loopback interface.
+//! Duties of PID 1 besides reaping: bring up the loopback interface, and keep the sandbox's own root
+//! from ptracing or reading the memory of the agent.
+
+/// Marks the agent non-dumpable: root inside the sandbox can no longer ptrace it or open its
+/// /proc/1/mem, so it cannot hijack the agent's connection to the daemon.
+pub fn not_dumpable() -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes plain integers.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
 
 /// Sets IFF_UP on `lo`.
 pub fn loopback_up() -> std::io::Result<()> {
@@ -14,7 +25,10 @@ pub fn loopback_up() -> std::io::Result<()> {
     }
     // SAFETY: `ifr` is a valid ifreq naming "lo"; SIOCGIFFLAGS fills ifru_flags.
     let mut r = unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut ifr) };
-    if r == 0 {
+    // SAFETY: after a successful SIOCGIFFLAGS the kernel wrote ifru_flags.
+    let already_up = r == 0 && unsafe { ifr.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0;
+    // The container tier brings `lo` up before the capability drop; only set it when still down.
+    if r == 0 && !already_up {
         // SAFETY: the kernel just wrote ifru_flags, the union member we read and update.
         unsafe { ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
         // SAFETY: as above; SIOCSIFFLAGS reads ifr_name and ifru_flags.
