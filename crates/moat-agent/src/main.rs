@@ -100,6 +100,9 @@ fn main() {
         if let Err(e) = init::loopback_up() {
             eprintln!("moat-agent: bringing lo up: {e}");
         }
+        if let Err(e) = init::not_dumpable() {
+            eprintln!("moat-agent: PR_SET_DUMPABLE: {e}");
+        }
     }
     let base_env: BTreeMap<String, String> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
