@@ -68,6 +68,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
+    // Streamed answers are many small writes: without TCP_NODELAY, Nagle's algorithm and the peer's
+    // delayed ACK add ~40 ms to the first event of a stream.
+    let tcp = axum::serve::ListenerExt::tap_io(tcp, |s: &mut tokio::net::TcpStream| {
+        let _ = s.set_nodelay(true);
+    });
     tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), "moat daemon listening");
     if let Some(path) = &args.unix_socket {
         let _ = std::fs::remove_file(path);
