@@ -28,3 +28,11 @@ echo "MOAT_AGENT=$MOAT_AGENT"
 
 echo "== cargo test"
 cargo test --workspace "$@"
+
+echo "== python sdk"
+# The Python SDK's tests start their own daemon (target/debug/moat, built above as part of moat-cli).
+# pytest exits non-zero on any failure and with 5 when it collects no tests; set -e makes both fatal.
+cargo build --quiet -p moat-cli  # a no-op when cargo test built it already
+python3 -m venv target/pyvenv
+target/pyvenv/bin/pip install --quiet ./sdk/python pytest
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q sdk/python/tests

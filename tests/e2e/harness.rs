@@ -381,6 +381,19 @@ pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
     // An agent re-parented to the host's init (after a daemon restart) is reaped by init, which may
     // take a moment: give namespaces held by such zombies a few seconds to go.
     let deadline = Instant::now() + Duration::from_secs(15);
+    // The disk image's loop device detaches itself (autoclear) once its filesystem is released.
+    loop {
+        let loops = loops_of(&facts.id);
+        if loops.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "loop devices left for {}: {loops:?}",
+            facts.id
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     loop {
         match namespace_holders(facts) {
             None => break,
@@ -394,6 +407,24 @@ pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
     assert!(!netns.contains(&facts.id), "ip netns lists {}", facts.id);
+}
+
+/// Loop devices whose backing file's path names `id`.
+pub fn loops_of(id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            if b.contains(id) {
+                out.push(name);
+            }
+        }
+    }
+    out
 }
 
 /// Polls `f` until it is true or `timeout` passes.
@@ -527,4 +558,42 @@ pub fn next_uid_base() -> String {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10;
     (1_300_000_000u64 + n as u64 * 300_000_000).to_string()
+}
+
+/// The shared daemon with the `code-interpreter` template (base + numpy, pandas, matplotlib) built
+/// too; built once (a few minutes on a fresh machine) and reused by later runs.
+pub fn code_interpreter() -> &'static Daemon {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    let d = shared();
+    BUILT.get_or_init(|| {
+        let client = d.client();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(t) = client.get_template("code-interpreter").await {
+                    if t.status == moat_api::TemplateStatus::Ready {
+                        return;
+                    }
+                }
+                let mut events = client
+                    .build_template("code-interpreter")
+                    .await
+                    .expect("build code-interpreter template");
+                let mut last = None;
+                while let Some(ev) = events.next().await {
+                    last = Some(ev.expect("build event"));
+                }
+                match last {
+                    Some(moat_api::BuildEvent::Done { .. }) => {}
+                    other => panic!("code-interpreter template build did not finish: {other:?}"),
+                }
+            })
+        })
+        .join()
+        .expect("code-interpreter template build");
+    });
+    d
 }

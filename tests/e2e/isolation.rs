@@ -86,12 +86,14 @@ async fn sandbox_is_isolated_from_host() {
     assert!(!std::path::Path::new(&format!("/tmp/{inside}")).exists());
     let template_etc = d.data_dir.join("templates/base/rootfs/etc").join(&inside);
     assert!(!template_etc.exists(), "write leaked into the template");
-    let upper = d
-        .data_dir
-        .join("sandboxes")
-        .join(&s.id)
-        .join("upper/etc")
-        .join(&inside);
+    // The writable layer is `disk/upper` on the sandbox's disk image, or `upper` without a disk quota.
+    let dir = d.data_dir.join("sandboxes").join(&s.id);
+    let layer = if dir.join("disk/upper").is_dir() {
+        dir.join("disk/upper")
+    } else {
+        dir.join("upper")
+    };
+    let upper = layer.join("etc").join(&inside);
     assert!(upper.exists(), "write is not in the sandbox's own layer");
     use std::os::unix::fs::MetadataExt;
     assert_eq!(

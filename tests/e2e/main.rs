@@ -5,10 +5,12 @@ mod harness;
 
 mod bad_input;
 mod cli;
+mod code;
 mod commands;
 mod escape;
 mod files;
 mod isolation;
 mod lifecycle;
+mod limits;
 mod pool;
 mod restart;

@@ -12,6 +12,10 @@ use crate::harness::*;
 #[tokio::test(flavor = "multi_thread")]
 async fn sandboxes_survive_daemon_kill9() {
     let tmp = tempfile::tempdir().unwrap();
+    // The data dir sits under a directory only host root may enter (like /root): sandboxes must start
+    // all the same (their root is an unprivileged host uid).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let rootfs = busybox_rootfs(tmp.path());
     let d = Daemon::start(&tmp.path().join("data"));
     let c = d.client();

@@ -26,7 +26,8 @@ pub fn loopback_up() -> std::io::Result<()> {
     // SAFETY: `ifr` is a valid ifreq naming "lo"; SIOCGIFFLAGS fills ifru_flags.
     let mut r = unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut ifr) };
     // SAFETY: after a successful SIOCGIFFLAGS the kernel wrote ifru_flags.
-    let already_up = r == 0 && unsafe { ifr.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0;
+    let already_up =
+        r == 0 && unsafe { ifr.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0;
     // The container tier brings `lo` up before the capability drop; only set it when still down.
     if r == 0 && !already_up {
         // SAFETY: the kernel just wrote ifru_flags, the union member we read and update.

@@ -112,7 +112,13 @@ pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
         tag: req.tag.clone(),
     };
     let (proc, reader) = agent.procs.spawn(spec, !req.background)?;
-    if let Some(t) = req.timeout.filter(|t| *t > 0.0) {
+    let default_timeout = agent
+        .procs
+        .default_timeout_ms
+        .load(std::sync::atomic::Ordering::SeqCst) as f64
+        / 1000.0;
+    // A request's own timeout wins (0 means none); without one the sandbox's default applies.
+    if let Some(t) = req.timeout.or(Some(default_timeout)).filter(|t| *t > 0.0) {
         arm_timeout(Arc::clone(&proc), t);
     }
     match reader {

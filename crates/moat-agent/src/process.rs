@@ -13,7 +13,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -61,6 +61,8 @@ pub struct Proc {
     stdin: Mutex<Option<Arc<File>>>,
     master: Option<File>,
     pub timed_out: AtomicBool,
+    /// The sandbox's OOM-kill count when the process started (None: unknown).
+    oom_before: Option<u64>,
     fin: Mutex<Fin>,
 }
 
@@ -151,7 +153,20 @@ pub struct Processes {
     table: Mutex<Table>,
     /// Bumped on every spawn; the reaper waits on it while there are no children.
     spawned: (Mutex<u64>, Condvar),
-    ring_cap: usize,
+    /// Output buffer of each new process, bytes.
+    ring_cap: AtomicUsize,
+    /// RLIMIT_NOFILE of new processes; 0 leaves the agent's own.
+    nofile: AtomicU64,
+    /// Timeout (ms) of processes whose request gives none; 0: none.
+    pub default_timeout_ms: AtomicU64,
+    /// File with the sandbox's `oom_kill N` counter.
+    oom_counter: Mutex<Option<PathBuf>>,
+}
+
+/// The `oom_kill` count of a cgroup events file (v1 `memory.oom_control`, v2 `memory.events`).
+pub fn parse_oom_kills(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
 }
 
 impl Processes {
@@ -160,8 +175,34 @@ impl Processes {
             spawn_lock: Mutex::new(()),
             table: Mutex::new(Table::default()),
             spawned: (Mutex::new(0), Condvar::new()),
-            ring_cap,
+            ring_cap: AtomicUsize::new(ring_cap),
+            nofile: AtomicU64::new(0),
+            default_timeout_ms: AtomicU64::new(0),
+            oom_counter: Mutex::new(None),
         })
+    }
+
+    /// Applies `POST /config` (absent fields stay as they are).
+    pub fn configure(&self, c: &moat_api::AgentConfig) {
+        if let Some(n) = c.nofile {
+            self.nofile.store(n, Ordering::SeqCst);
+        }
+        if let Some(n) = c.output_bytes {
+            self.ring_cap.store(n as usize, Ordering::SeqCst);
+        }
+        if let Some(t) = c.command_timeout {
+            self.default_timeout_ms
+                .store((t * 1000.0) as u64, Ordering::SeqCst);
+        }
+        if let Some(p) = &c.oom_counter {
+            *lock(&self.oom_counter) = Some(PathBuf::from(p));
+        }
+    }
+
+    /// The sandbox's OOM-kill count now, when known.
+    fn oom_kills(&self) -> Option<u64> {
+        let path = lock(&self.oom_counter).clone()?;
+        parse_oom_kills(&std::fs::read_to_string(path).ok()?)
     }
 
     /// Looks a process up: running ones first, then the most recent exited one.
@@ -206,7 +247,9 @@ impl Processes {
         spec: SpawnSpec,
         attach: bool,
     ) -> Result<(Arc<Proc>, Option<Reader>), ApiError> {
-        let ring = Ring::new(self.ring_cap);
+        let ring = Ring::new(self.ring_cap.load(Ordering::SeqCst));
+        let nofile = self.nofile.load(Ordering::SeqCst);
+        let oom_before = self.oom_kills();
         let reader = attach.then(|| ring.attach(true));
         let mut cmd = Command::new(&spec.program);
         if let Some(arg0) = spec.argv.first() {
@@ -245,10 +288,28 @@ impl Processes {
         let switch_user = spec.user.uid != euid || spec.user.gid != egid;
         let (uid, gid) = (spec.user.uid, spec.user.gid);
         let groups: Vec<libc::gid_t> = spec.user.groups.clone();
+        let oom_adj_path = c"/proc/self/oom_score_adj";
         // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-        // syscalls (setsid, setpgid, ioctl, setgroups, setgid, setuid) on data allocated before the fork.
+        // syscalls (open, write, close, setrlimit, setsid, setpgid, ioctl, setgroups, setgid, setuid) on
+        // data allocated before the fork.
         unsafe {
             cmd.pre_exec(move || {
+                // The OOM killer takes a sandbox process before the agent (best effort: a process
+                // may lower it again, to 0 at most, which still leaves the agent the smallest).
+                let fd = libc::open(oom_adj_path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(fd, b"1000".as_ptr().cast(), 4);
+                    libc::close(fd);
+                }
+                if nofile > 0 {
+                    let lim = libc::rlimit {
+                        rlim_cur: nofile,
+                        rlim_max: nofile,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 if is_pty {
                     if libc::setsid() < 0 {
                         return Err(std::io::Error::last_os_error());
@@ -321,6 +382,7 @@ impl Processes {
             stdin: Mutex::new(if is_pty || spec.stdin { stdin } else { None }),
             master,
             timed_out: AtomicBool::new(false),
+            oom_before,
             fin: Mutex::new(Fin {
                 status: None,
                 open_outputs: outputs.len() as u32,
@@ -392,6 +454,17 @@ impl Processes {
             if let Some(p) = proc {
                 let mut status = decode_status(raw);
                 status.timed_out = p.timed_out.load(Ordering::SeqCst);
+                let killed = status.signal.as_deref() == Some("SIGKILL")
+                    || status.exit_code == Some(128 + libc::SIGKILL);
+                if status.timed_out {
+                    status.reason = Some("timeout".into());
+                } else if killed {
+                    if let (Some(before), Some(now)) = (p.oom_before, self.oom_kills()) {
+                        if now > before {
+                            status.reason = Some("oom".into());
+                        }
+                    }
+                }
                 p.exited(status);
             }
         }
@@ -460,6 +533,15 @@ pub fn master_fd(proc: &Proc) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn oom_counter_formats() {
+        let v2 = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n";
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n";
+        assert_eq!(parse_oom_kills(v2), Some(1));
+        assert_eq!(parse_oom_kills(v1), Some(4));
+        assert_eq!(parse_oom_kills("nothing 1\n"), None);
+    }
 
     #[test]
     fn status_decoding() {

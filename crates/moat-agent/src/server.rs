@@ -96,6 +96,7 @@ async fn route(
             &serde_json::json!({"protocol": AGENT_PROTOCOL_VERSION, "version": env!("CARGO_PKG_VERSION")}),
         ),
         (["env"], Method::POST) => set_env(agent, body).await,
+        (["config"], Method::POST) => set_config(agent, body).await,
         (["processes"], Method::GET) => procapi::list(agent),
         (["processes"], Method::POST) => procapi::start(agent, body).await,
         (["processes", sel, "events"], Method::GET) => procapi::events(agent, sel, query),
@@ -117,6 +118,7 @@ async fn route(
         (
             ["health"]
             | ["env"]
+            | ["config"]
             | ["processes"]
             | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
             | ["files"]
@@ -126,6 +128,32 @@ async fn route(
         ) => method_not_allowed(method, path),
         _ => Err(ApiError::not_found(format!("no endpoint {path}"))),
     }
+}
+
+/// `POST /config`: the sandbox's per-process limits and its OOM counter file (see docs/resources.md).
+async fn set_config(agent: &Agent, body: Incoming) -> HandlerResult {
+    let c: moat_api::AgentConfig = crate::http::read_json(body).await?;
+    if c.nofile.is_some_and(|n| n < 16) {
+        return Err(ApiError::invalid("nofile", "nofile must be at least 16"));
+    }
+    if c.output_bytes
+        .is_some_and(|n| !(4096..=1 << 30).contains(&n))
+    {
+        return Err(ApiError::invalid(
+            "output_bytes",
+            "output_bytes must be 4096..=1073741824",
+        ));
+    }
+    if c.command_timeout
+        .is_some_and(|t| !t.is_finite() || !(0.0..=1e9).contains(&t))
+    {
+        return Err(ApiError::invalid(
+            "command_timeout",
+            "command_timeout must be a non-negative number of seconds",
+        ));
+    }
+    agent.procs.configure(&c);
+    crate::http::no_content()
 }
 
 /// `POST /env`: merges variables into the base environment of processes started from now on (a

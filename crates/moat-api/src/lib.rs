@@ -4,12 +4,14 @@
 //! a change of the public API. The agent speaks the same per-sandbox types over the host↔agent channel,
 //! which is why process and file types live here and not in the daemon.
 
+pub mod code;
 pub mod error;
 pub mod files;
 pub mod process;
 pub mod sandbox;
 pub mod template;
 
+pub use code::*;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use files::*;
 pub use process::*;
@@ -17,7 +19,7 @@ pub use sandbox::*;
 pub use template::*;
 
 /// Version of the host↔agent protocol; the daemon refuses an agent that reports another one.
-pub const AGENT_PROTOCOL_VERSION: u32 = 1;
+pub const AGENT_PROTOCOL_VERSION: u32 = 2;
 
 /// Content type of streamed event responses: one JSON object per line.
 pub const NDJSON: &str = "application/x-ndjson";

@@ -69,6 +69,10 @@ pub struct ExitStatus {
     /// Set when the process could not be started (e.g. the program does not exist).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Why the process ended when it was not its own doing: `oom` (killed by the kernel's OOM killer
+    /// because the sandbox reached its memory limit) or `timeout` (its `timeout` passed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A chunk of output. `data` holds it when it is valid UTF-8 (split characters are carried to the next
@@ -160,6 +164,26 @@ pub type ResizeRequest = PtySize;
 #[serde(deny_unknown_fields)]
 pub struct EnvUpdate {
     pub env: BTreeMap<String, String>,
+}
+
+/// Agent-internal `POST /config`: per-sandbox limits the agent applies to processes it starts from now
+/// on. Absent fields are left as they are.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// RLIMIT_NOFILE (soft and hard) of every started process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nofile: Option<u64>,
+    /// Size of each process's output buffer, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<u64>,
+    /// Timeout in seconds of a process whose request gives none; 0 means none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_timeout: Option<f64>,
+    /// File whose `oom_kill N` line counts the sandbox's OOM kills (read to tell an OOM kill from
+    /// another SIGKILL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_counter: Option<String>,
 }
 
 /// A process selector from a path segment: digits are a pid, anything else a tag.

@@ -108,6 +108,83 @@ pub struct CreateSandboxRequest {
     /// Isolation tier; `container` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<Isolation>,
+    /// Largest number of processes and threads (cgroup pids limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+    /// Open files per process (RLIMIT_NOFILE, soft and hard).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nofile: Option<u64>,
+    /// Size of the writable layer (everything written outside /tmp) in MiB; 0: no disk quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
+    /// Number of files and directories the writable layer can hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_inodes: Option<u64>,
+    /// Size of /tmp (a tmpfs, counted against the memory limit) in MiB; 0: /tmp is on the writable layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tmp_mb: Option<u64>,
+    /// Output each process keeps for re-attach and slow readers, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<u64>,
+    /// Timeout in seconds of commands that give none; 0: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_timeout: Option<u64>,
+    /// Seconds without an API request for the sandbox after which it is killed; 0: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<u64>,
+}
+
+/// The resource limits of a sandbox, as set at create (defaults from the daemon's configuration).
+/// See docs/resources.md.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(default)]
+pub struct SandboxLimits {
+    /// CPU cores (CFS quota).
+    pub cpu: f64,
+    /// Hard memory limit in MiB, no swap.
+    pub memory_mb: u64,
+    /// Processes and threads.
+    pub pids: u64,
+    /// Open files per process.
+    pub nofile: u64,
+    /// Writable layer size in MiB; 0: no quota.
+    pub disk_mb: u64,
+    /// Writable layer inodes; 0: no quota.
+    pub disk_inodes: u64,
+    /// /tmp tmpfs size in MiB; 0: /tmp is on the writable layer.
+    pub tmp_mb: u64,
+    /// Per-process output buffer in bytes.
+    pub output_bytes: u64,
+    /// Default command timeout in seconds; 0: none.
+    pub command_timeout: u64,
+    /// Idle timeout in seconds; 0: none.
+    pub idle_timeout: u64,
+}
+
+/// `GET /v1/sandboxes/{id}/stats`: live usage, read on the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SandboxStats {
+    pub id: String,
+    /// CPU time used by all of the sandbox's processes, microseconds.
+    pub cpu_usage_us: u64,
+    /// Average cores used since the previous stats request for this sandbox (or over a short sample
+    /// on the first).
+    pub cpu_cores: f64,
+    /// Memory in use now (including page cache and tmpfs), bytes.
+    pub memory_bytes: u64,
+    /// Highest memory use seen, bytes.
+    pub memory_peak_bytes: u64,
+    /// Processes and threads now.
+    pub pids: u64,
+    /// Bytes used in the writable layer.
+    pub disk_bytes: u64,
+    /// Inodes used in the writable layer.
+    pub disk_inodes: u64,
+    /// How many processes the OOM killer ended.
+    pub oom_kills: u64,
+    pub limits: SandboxLimits,
 }
 
 /// A sandbox as the API shows it.
@@ -132,6 +209,9 @@ pub struct Sandbox {
     pub memory_mb: u64,
     /// Hostname inside the sandbox.
     pub hostname: String,
+    /// Every resource limit (`cpu` and `memory_mb` repeat the fields above).
+    #[serde(default)]
+    pub limits: SandboxLimits,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

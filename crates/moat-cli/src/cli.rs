@@ -53,6 +53,8 @@ pub enum Command {
     Timeout { id: String, secs: u64 },
     /// List the processes of a sandbox.
     Ps { id: String },
+    /// Live resource usage of a sandbox, or of every sandbox (a table) without an id.
+    Stats { id: Option<String> },
     /// Send a signal to a process (selected by pid or tag).
     Kill {
         id: String,
@@ -81,6 +83,8 @@ pub enum Command {
     /// Manage templates.
     #[command(subcommand)]
     Template(TemplateCommand),
+    /// Run code in a sandbox's code interpreter (state persists between calls in a context).
+    Code(crate::code::CodeArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -106,6 +110,30 @@ pub struct CreateArgs {
     /// Isolation tier.
     #[arg(long, value_parser = ["container", "gvisor", "microvm"])]
     pub isolation: Option<String>,
+    /// Process/thread limit.
+    #[arg(long)]
+    pub pids: Option<u64>,
+    /// Open files per process.
+    #[arg(long)]
+    pub nofile: Option<u64>,
+    /// Size of the writable layer in MiB (0: no quota).
+    #[arg(long)]
+    pub disk_mb: Option<u64>,
+    /// Inodes of the writable layer.
+    #[arg(long)]
+    pub disk_inodes: Option<u64>,
+    /// Size of /tmp (a tmpfs counted as memory) in MiB (0: /tmp is on the writable layer).
+    #[arg(long)]
+    pub tmp_mb: Option<u64>,
+    /// Output buffer per process in bytes.
+    #[arg(long)]
+    pub output_bytes: Option<u64>,
+    /// Timeout of commands that give none, in seconds.
+    #[arg(long, value_name = "SECS")]
+    pub command_timeout: Option<u64>,
+    /// Kill the sandbox after SECS seconds without an API request for it.
+    #[arg(long, value_name = "SECS")]
+    pub idle_timeout: Option<u64>,
 }
 
 impl CreateArgs {

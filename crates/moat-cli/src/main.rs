@@ -1,6 +1,7 @@
 //! `moat`: the command-line interface of the moat sandbox daemon.
 
 mod cli;
+mod code;
 mod cp;
 mod exec;
 mod output;
@@ -90,6 +91,7 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Rm { ids, all } => sandbox::remove(&client, &ids, all, json).await,
         Command::Timeout { id, secs } => sandbox::set_timeout(&client, &id, secs, json).await,
         Command::Ps { id } => exec::ps(&client, &id, json).await,
+        Command::Stats { id } => sandbox::stats(&client, id.as_deref(), json).await,
         Command::Kill {
             id,
             process,
@@ -100,6 +102,7 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Shell { id, user, cmd } => shell::shell(&client, &id, user, cmd).await,
         Command::Cp { src, dst } => cp::cp(&client, &src, &dst).await,
         Command::Template(cmd) => template::dispatch(&client, cmd, json).await,
+        Command::Code(args) => code::run(&client, &args, json).await,
     }
 }
 

@@ -172,7 +172,7 @@ mod tests {
             exit_code: code,
             signal: sig.map(String::from),
             timed_out,
-            error: None,
+            ..Default::default()
         };
         assert_eq!(exit_code(&st(Some(0), None, false)), 0);
         assert_eq!(exit_code(&st(Some(3), None, false)), 3);

@@ -16,7 +16,83 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
         cpu: args.cpu,
         memory_mb: args.memory_mb,
         isolation: args.isolation()?,
+        pids: args.pids,
+        nofile: args.nofile,
+        disk_mb: args.disk_mb,
+        disk_inodes: args.disk_inodes,
+        tmp_mb: args.tmp_mb,
+        output_bytes: args.output_bytes,
+        command_timeout: args.command_timeout,
+        idle_timeout: args.idle_timeout,
     })
+}
+
+/// `moat stats [ID]`: one sandbox's usage, or a table of all running ones.
+pub async fn stats(client: &Client, id: Option<&str>, json: bool) -> anyhow::Result<i32> {
+    let ids: Vec<String> = match id {
+        Some(id) => vec![id.to_string()],
+        None => client
+            .list_sandboxes(&SandboxFilter {
+                state: Some(moat_api::SandboxState::Running),
+                ..Default::default()
+            })
+            .await?
+            .into_iter()
+            .map(|s| s.id)
+            .collect(),
+    };
+    let all = futures::future::join_all(ids.iter().map(|i| client.sandbox_stats(i))).await;
+    let mut stats = Vec::new();
+    for (i, r) in ids.iter().zip(all) {
+        match r {
+            Ok(s) => stats.push(s),
+            // One named sandbox: its error is the answer. In the table, one that went away meanwhile
+            // is left out.
+            Err(e) if id.is_some() => return Err(e.into()),
+            Err(e) => warn_skipped(i, &e),
+        }
+    }
+    if json {
+        match id {
+            Some(_) => print_json(&stats[0])?,
+            None => print_json(&stats)?,
+        }
+        return Ok(0);
+    }
+    let rows: Vec<Vec<String>> = stats.iter().map(stats_row).collect();
+    print_table(
+        &["ID", "CPU", "MEMORY", "PIDS", "DISK", "INODES", "OOM"],
+        &rows,
+    );
+    Ok(0)
+}
+
+fn warn_skipped(id: &str, e: &moat_client::Error) {
+    eprintln!("moat: {id}: {e}");
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1}MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn stats_row(s: &moat_api::SandboxStats) -> Vec<String> {
+    let l = &s.limits;
+    let of = |used: String, limit: u64, unit: fn(u64) -> String| {
+        if limit == 0 {
+            used
+        } else {
+            format!("{used} / {}", unit(limit))
+        }
+    };
+    vec![
+        s.id.clone(),
+        format!("{:.2} / {}", s.cpu_cores, l.cpu),
+        of(mib(s.memory_bytes), l.memory_mb << 20, mib),
+        of(s.pids.to_string(), l.pids, |n| n.to_string()),
+        of(mib(s.disk_bytes), l.disk_mb << 20, mib),
+        of(s.disk_inodes.to_string(), l.disk_inodes, |n| n.to_string()),
+        s.oom_kills.to_string(),
+    ]
 }
 
 pub async fn create(client: &Client, args: &CreateArgs, json: bool) -> anyhow::Result<i32> {

@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+mod code;
 mod error;
 mod files;
 pub mod ndjson;

@@ -42,6 +42,12 @@ impl Client {
             .await
     }
 
+    /// `GET /v1/sandboxes/{id}/stats`: live usage and limits.
+    pub async fn sandbox_stats(&self, id: &str) -> Result<moat_api::SandboxStats> {
+        self.send_json(self.request(Method::GET, &["v1", "sandboxes", id, "stats"]))
+            .await
+    }
+
     /// `GET /v1/sandboxes?state=&metadata=k=v...`
     pub async fn list_sandboxes(&self, filter: &SandboxFilter) -> Result<Vec<Sandbox>> {
         let list: SandboxList = self

@@ -128,6 +128,24 @@ impl AgentClient {
         Ok(())
     }
 
+    /// Gives the agent the sandbox's per-process limits (open files, output buffer, default timeout) and
+    /// where its OOM counter is.
+    pub async fn configure(&self, config: &moat_api::AgentConfig) -> Result<()> {
+        let body = serde_json::to_vec(config)?;
+        let resp = self
+            .send(
+                http::Method::POST,
+                "/config",
+                Some("application/json"),
+                Body::from(body),
+            )
+            .await?;
+        if !resp.status().is_success() {
+            bail!("agent refused its configuration: {}", resp.status());
+        }
+        Ok(())
+    }
+
     /// Waits until the agent answers `/health` with the protocol version this daemon speaks.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         #[derive(serde::Deserialize)]

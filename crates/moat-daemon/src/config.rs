@@ -34,6 +34,32 @@ pub struct ServeArgs {
     /// Default memory limit of a sandbox, in MiB.
     #[arg(long, env = "MOAT_DEFAULT_MEMORY_MB", default_value_t = 512)]
     pub default_memory_mb: u64,
+    /// Default process/thread limit of a sandbox (cgroup pids.max).
+    #[arg(long, env = "MOAT_DEFAULT_PIDS", default_value_t = 4096)]
+    pub default_pids: u64,
+    /// Default open-file limit (RLIMIT_NOFILE) of sandbox processes; capped at the daemon's own hard limit.
+    #[arg(long, env = "MOAT_DEFAULT_NOFILE", default_value_t = 4096)]
+    pub default_nofile: u64,
+    /// Default size of a sandbox's writable layer in MiB (a sparse ext4 image); 0: no disk quota, the
+    /// layer lives on the data directory's filesystem.
+    #[arg(long, env = "MOAT_DEFAULT_DISK_MB", default_value_t = 10_240)]
+    pub default_disk_mb: u64,
+    /// Default inode count of the writable layer; 0: one per 16 KiB of `disk_mb`.
+    #[arg(long, env = "MOAT_DEFAULT_DISK_INODES", default_value_t = 0)]
+    pub default_disk_inodes: u64,
+    /// Default size of /tmp in MiB (a tmpfs charged to the sandbox's memory); 0: /tmp is part of the
+    /// writable layer.
+    #[arg(long, env = "MOAT_DEFAULT_TMP_MB", default_value_t = 0)]
+    pub default_tmp_mb: u64,
+    /// Default per-process output buffer in bytes.
+    #[arg(long, env = "MOAT_DEFAULT_OUTPUT_BYTES", default_value_t = 4 << 20)]
+    pub default_output_bytes: u64,
+    /// Default timeout in seconds of commands that give none; 0: none.
+    #[arg(long, env = "MOAT_DEFAULT_COMMAND_TIMEOUT", default_value_t = 0)]
+    pub default_command_timeout: u64,
+    /// Default idle timeout in seconds (killed after this long without an API request for it); 0: never.
+    #[arg(long, env = "MOAT_DEFAULT_IDLE_TIMEOUT", default_value_t = 0)]
+    pub default_idle_timeout: u64,
     /// First host uid/gid of the ranges sandbox users map to (each sandbox gets 65536 ids).
     #[arg(long, env = "MOAT_UID_BASE", default_value_t = 1_000_000_000)]
     pub uid_base: u32,

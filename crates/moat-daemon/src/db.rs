@@ -37,6 +37,9 @@ const MIGRATIONS: &[&str] = &[
     // 2: the warm pool, and round-robin uid slots (a freed slot is not handed out again at once).
     "ALTER TABLE sandboxes ADD COLUMN pooled INTEGER NOT NULL DEFAULT 0;
     CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);",
+    // 3: resource limits beyond cpu/memory (JSON of moat_api::SandboxLimits) and the idle timeout's clock.
+    "ALTER TABLE sandboxes ADD COLUMN limits TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE sandboxes ADD COLUMN last_active_ms INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// A sandbox row.
@@ -57,6 +60,10 @@ pub struct SandboxRecord {
     pub tier_state: Option<serde_json::Value>,
     /// Started ahead of demand and not yet handed to anyone: invisible in the API.
     pub pooled: bool,
+    /// All limits (`cpu` and `memory_mb` mirror the columns above).
+    pub limits: moat_api::SandboxLimits,
+    /// Last API request for the sandbox (the idle timeout counts from it).
+    pub last_active_ms: i64,
 }
 
 /// What a creator asks of a sandbox taken from the warm pool.
@@ -69,6 +76,7 @@ pub struct Claim {
     pub env: BTreeMap<String, String>,
     pub cpu: f64,
     pub memory_mb: u64,
+    pub limits: moat_api::SandboxLimits,
 }
 
 /// A template row.
@@ -107,6 +115,11 @@ fn parse_json<T: serde::de::DeserializeOwned>(s: &str) -> rusqlite::Result<T> {
 
 fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
     let tier_state: Option<String> = r.get("tier_state")?;
+    let cpu: f64 = r.get("cpu")?;
+    let memory_mb = r.get::<_, i64>("memory_mb")? as u64;
+    let mut limits: moat_api::SandboxLimits = parse_json(&r.get::<_, String>("limits")?)?;
+    limits.cpu = cpu;
+    limits.memory_mb = memory_mb;
     Ok(SandboxRecord {
         id: r.get("id")?,
         template: r.get("template")?,
@@ -122,6 +135,8 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
         slot: r.get::<_, i64>("slot")? as u32,
         tier_state: tier_state.map(|s| parse_json(&s)).transpose()?,
         pooled: r.get::<_, i64>("pooled")? != 0,
+        limits,
+        last_active_ms: r.get("last_active_ms")?,
     })
 }
 
@@ -204,8 +219,8 @@ impl Db {
         rec.slot = slot as u32;
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
-                                    cpu, memory_mb, hostname, slot, tier_state, pooled)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                                    cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
             params![
                 rec.id,
                 rec.template,
@@ -221,6 +236,8 @@ impl Db {
                 rec.slot as i64,
                 rec.tier_state.as_ref().map(|v| v.to_string()),
                 rec.pooled as i64,
+                serde_json::to_string(&rec.limits)?,
+                rec.last_active_ms,
             ],
         )?;
         tx.commit()?;
@@ -281,6 +298,17 @@ impl Db {
         Ok(())
     }
 
+    /// Records an API request for the sandbox (the idle timeout counts from the last one).
+    pub fn touch(&self, id: &str, now_ms: i64) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET last_active_ms = ?2 WHERE id = ?1",
+                params![id, now_ms],
+            )
+        })?;
+        Ok(())
+    }
+
     /// Ids of sandboxes whose expiry is at or before `now_ms`.
     pub fn expired(&self, now_ms: i64) -> Result<Vec<String>> {
         self.with(|c| {
@@ -297,7 +325,7 @@ impl Db {
         let id: Option<String> = self.with(|c| {
             c.query_row(
                 "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
-                        cpu = ?6, memory_mb = ?7
+                        cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2
                  WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
                              ORDER BY created_at_ms LIMIT 1)
                  RETURNING id",
@@ -308,7 +336,8 @@ impl Db {
                     serde_json::to_string(&claim.metadata).unwrap_or_default(),
                     serde_json::to_string(&claim.env).unwrap_or_default(),
                     claim.cpu,
-                    claim.memory_mb as i64
+                    claim.memory_mb as i64,
+                    serde_json::to_string(&claim.limits).unwrap_or_else(|_| "{}".into())
                 ],
                 |r| r.get(0),
             )
@@ -406,6 +435,11 @@ mod tests {
             slot: 0,
             tier_state: None,
             pooled: false,
+            limits: moat_api::SandboxLimits {
+                pids: 64,
+                ..Default::default()
+            },
+            last_active_ms: 0,
         }
     }
 
@@ -451,6 +485,7 @@ mod tests {
             env: BTreeMap::new(),
             cpu: 0.5,
             memory_mb: 128,
+            limits: moat_api::SandboxLimits::default(),
         };
         assert!(db
             .claim_pooled(&Claim {
@@ -479,6 +514,7 @@ mod tests {
         assert_eq!(got.state, SandboxState::Running);
         assert_eq!(got.tier_state, Some(serde_json::json!({"pid": 5})));
         assert_eq!(got.metadata.get("k").map(String::as_str), Some("v"));
+        assert_eq!((got.limits.pids, got.limits.memory_mb), (64, 512));
         assert_eq!(db.expired(99).unwrap(), Vec::<String>::new());
         assert_eq!(db.expired(100).unwrap(), vec!["a".to_string()]);
         db.set_expiry("a", 500).unwrap();

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod code;
 pub mod config;
 pub mod db;
 pub mod error;

@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
-use moat_api::{CreateSandboxRequest, ErrorCode, Isolation, Sandbox, SandboxState};
+use moat_api::{
+    AgentConfig, CreateSandboxRequest, ErrorCode, Isolation, Sandbox, SandboxLimits, SandboxState,
+    SandboxStats,
+};
 use rand::RngCore;
 use tokio::sync::RwLock;
 
@@ -30,7 +33,22 @@ pub struct Sandboxes {
     pool_paused: std::sync::atomic::AtomicBool,
     host_cpus: f64,
     host_memory_mb: u64,
+    /// The daemon's own hard RLIMIT_NOFILE: sandbox processes cannot be given more.
+    host_nofile: u64,
+    /// Size of the data directory's filesystem, MiB: the largest disk quota that makes sense.
+    host_disk_mb: u64,
+    /// Previous CPU sample per sandbox (when, usage in µs), for `cpu_cores` in stats.
+    cpu_samples: std::sync::Mutex<HashMap<String, (std::time::Instant, u64)>>,
 }
+
+/// Per-process output buffer bounds, bytes.
+const OUTPUT_BYTES_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(256 << 20);
+/// Largest pids limit (the kernel's pid_max ceiling).
+const MAX_PIDS: u64 = 4_194_304;
+/// Smallest pids limit: the agent itself needs a handful of threads.
+const MIN_PIDS: u64 = 16;
+/// The idle clock is written at most this often per sandbox.
+const TOUCH_EVERY_MS: i64 = 1000;
 
 pub fn now_ms() -> i64 {
     SystemTime::now()
@@ -91,6 +109,16 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         cpu: r.cpu,
         memory_mb: r.memory_mb,
         hostname: r.hostname.clone(),
+        limits: r.limits.clone(),
+    }
+}
+
+fn agent_config(l: &SandboxLimits, oom_counter: Option<String>) -> AgentConfig {
+    AgentConfig {
+        nofile: Some(l.nofile),
+        output_bytes: Some(l.output_bytes),
+        command_timeout: Some(l.command_timeout as f64),
+        oom_counter,
     }
 }
 
@@ -114,6 +142,21 @@ impl Sandboxes {
         let host_memory_mb = nix::sys::sysinfo::sysinfo()
             .map(|s| s.ram_total() >> 20)
             .unwrap_or(1 << 20);
+        let host_nofile = {
+            let mut r = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes into the rlimit we pass and has no other effect.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+                r.rlim_max
+            } else {
+                1024
+            }
+        };
+        let host_disk_mb = nix::sys::statvfs::statvfs(&args.data_dir)
+            .map(|s| (s.blocks() * s.fragment_size()) >> 20)
+            .unwrap_or(1 << 20);
         Sandboxes {
             args,
             db,
@@ -124,7 +167,81 @@ impl Sandboxes {
             pool_paused: std::sync::atomic::AtomicBool::new(false),
             host_cpus,
             host_memory_mb,
+            host_nofile,
+            host_disk_mb,
+            cpu_samples: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The limits of a sandbox created with `req` (the daemon's defaults where it gives none).
+    pub fn limits_for(&self, req: &CreateSandboxRequest) -> SandboxLimits {
+        let a = &self.args;
+        let disk_mb = req.disk_mb.unwrap_or(a.default_disk_mb);
+        let disk_inodes = match (disk_mb, req.disk_inodes.unwrap_or(a.default_disk_inodes)) {
+            (0, _) => 0,
+            // One inode per 16 KiB, like mkfs.ext4's default.
+            (mb, 0) => (mb * 64).clamp(1024, u32::MAX as u64),
+            (_, n) => n,
+        };
+        SandboxLimits {
+            cpu: req.cpu.unwrap_or(a.default_cpu),
+            memory_mb: req.memory_mb.unwrap_or(a.default_memory_mb),
+            pids: req.pids.unwrap_or(a.default_pids),
+            nofile: req.nofile.unwrap_or(a.default_nofile.min(self.host_nofile)),
+            disk_mb,
+            disk_inodes,
+            tmp_mb: req.tmp_mb.unwrap_or(a.default_tmp_mb),
+            output_bytes: req.output_bytes.unwrap_or(a.default_output_bytes),
+            command_timeout: req.command_timeout.unwrap_or(a.default_command_timeout),
+            idle_timeout: req.idle_timeout.unwrap_or(a.default_idle_timeout),
+        }
+    }
+
+    /// Checks the limits that come from `req` or the defaults (a bad default is reported on the field
+    /// too, so a misconfigured daemon is visible at the first create).
+    fn validate_limits(&self, l: &SandboxLimits) -> ApiResult<()> {
+        let range = |field: &str, v: u64, r: std::ops::RangeInclusive<u64>, zero_ok: bool| {
+            if (zero_ok && v == 0) || r.contains(&v) {
+                Ok(())
+            } else {
+                Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "{field} must be {}{}..={}, got {v}",
+                        if zero_ok { "0 or " } else { "" },
+                        r.start(),
+                        r.end()
+                    ),
+                ))
+            }
+        };
+        range("pids", l.pids, MIN_PIDS..=MAX_PIDS, false)?;
+        range("nofile", l.nofile, 16..=self.host_nofile, false)?;
+        range("disk_mb", l.disk_mb, 16..=self.host_disk_mb.max(16), true)?;
+        if l.disk_mb > 0 {
+            // At most one inode per 4 KiB block (ext4's limit).
+            range(
+                "disk_inodes",
+                l.disk_inodes,
+                1024..=(l.disk_mb * 256).min(u32::MAX as u64),
+                false,
+            )?;
+        }
+        range("tmp_mb", l.tmp_mb, 1..=l.memory_mb, true)?;
+        range("output_bytes", l.output_bytes, OUTPUT_BYTES_RANGE, false)?;
+        range(
+            "command_timeout",
+            l.command_timeout,
+            1..=self.args.max_timeout,
+            true,
+        )?;
+        range(
+            "idle_timeout",
+            l.idle_timeout,
+            1..=self.args.max_timeout,
+            true,
+        )?;
+        Ok(())
     }
 
     pub fn tier_infos(&self) -> Vec<moat_api::TierInfo> {
@@ -184,6 +301,12 @@ impl Sandboxes {
                 ));
             }
         }
+        if req.disk_inodes.is_some_and(|n| n > 0) && req.disk_mb == Some(0) {
+            return Err(ApiError::invalid(
+                "disk_inodes",
+                "disk_inodes needs a disk quota (disk_mb > 0)",
+            ));
+        }
         if req.env.len() > 1000 {
             return Err(ApiError::invalid(
                 "env",
@@ -227,6 +350,8 @@ impl Sandboxes {
             .map_err(|m| ApiError::invalid("template", m))?;
         let template_rootfs = self.templates.ensure(&self.db, &template).await?;
 
+        let limits = self.limits_for(&req);
+        self.validate_limits(&limits)?;
         let now = now_ms();
         let claim = Claim {
             template: template.clone(),
@@ -236,8 +361,12 @@ impl Sandboxes {
             env: req.env,
             cpu: req.cpu.unwrap_or(self.args.default_cpu),
             memory_mb: req.memory_mb.unwrap_or(self.args.default_memory_mb),
+            limits,
         };
-        if self.pool_serves(&template, isolation) {
+        let defaults = self.limits_for(&CreateSandboxRequest::default());
+        // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
+        let fixed = |l: &SandboxLimits| (l.disk_mb, l.disk_inodes, l.tmp_mb);
+        if self.pool_serves(&template, isolation) && fixed(&claim.limits) == fixed(&defaults) {
             if let Some(rec) = self.claim(&claim, &tier).await {
                 return Ok(to_api(&rec));
             }
@@ -258,6 +387,8 @@ impl Sandboxes {
             slot: 0,
             tier_state: None,
             pooled: false,
+            limits: claim.limits,
+            last_active_ms: now,
         };
         let rec = self.start_new(rec, tier, template_rootfs).await?;
         tracing::info!(sandbox = %rec.id, template = %rec.template, "created");
@@ -283,17 +414,22 @@ impl Sandboxes {
         self.pool_wake.notify_one();
         let prepared = async {
             let state = rec.tier_state.clone().unwrap_or_default();
-            if (claim.cpu, claim.memory_mb) != (self.args.default_cpu, self.args.default_memory_mb)
-            {
-                tier.set_limits(&rec.id, &state, claim.cpu, claim.memory_mb)
+            let defaults = self.limits_for(&CreateSandboxRequest::default());
+            let cg = |l: &SandboxLimits| (l.cpu, l.memory_mb, l.pids);
+            if cg(&claim.limits) != cg(&defaults) {
+                tier.set_limits(&rec.id, &state, &claim.limits).await?;
+            }
+            let agent = self
+                .agent(&rec.id)
+                .await
+                .map_err(|e| anyhow::anyhow!("{}", e.0))?;
+            if claim.limits != defaults {
+                agent
+                    .configure(&agent_config(&claim.limits, tier.oom_counter_inside()))
                     .await?;
             }
             if !claim.env.is_empty() {
-                self.agent(&rec.id)
-                    .await
-                    .map_err(|e| anyhow::anyhow!("{}", e.0))?
-                    .set_env(&claim.env)
-                    .await?;
+                agent.set_env(&claim.env).await?;
             }
             anyhow::Ok(())
         }
@@ -329,10 +465,10 @@ impl Sandboxes {
             hostname: rec.hostname.clone(),
             template_rootfs,
             env: rec.env.clone(),
-            cpu: rec.cpu,
-            memory_mb: rec.memory_mb,
+            limits: rec.limits.clone(),
             slot: rec.slot,
         };
+        let config = agent_config(&rec.limits, tier.oom_counter_inside());
         let started = async {
             let state = tier.create(&spec).await?;
             // Record the tier state before anything else can fail, so a crash here is swept or adopted.
@@ -340,6 +476,7 @@ impl Sandboxes {
                 .set_tier_state(&id, SandboxState::Starting, &state)?;
             let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
             agent.wait_ready(Duration::from_secs(20)).await?;
+            agent.configure(&config).await?;
             self.db.set_tier_state(&id, SandboxState::Running, &state)?;
             anyhow::Ok((agent, state))
         }
@@ -413,6 +550,8 @@ impl Sandboxes {
             slot: 0,
             tier_state: None,
             pooled: true,
+            limits: self.limits_for(&CreateSandboxRequest::default()),
+            last_active_ms: 0,
         };
         let rec = self.start_new(rec, tier, rootfs).await?;
         tracing::debug!(sandbox = %rec.id, "added to the warm pool");
@@ -468,10 +607,73 @@ impl Sandboxes {
                 format!("sandbox {id:?} not found"),
             ));
         }
-        self.db
+        let rec = self
+            .db
             .get_sandbox(id)?
             .filter(|r| !r.pooled)
-            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))
+            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))?;
+        // Every request for a sandbox goes through here: it restarts the idle clock.
+        let now = now_ms();
+        if now - rec.last_active_ms >= TOUCH_EVERY_MS {
+            if let Err(e) = self.db.touch(id, now) {
+                tracing::warn!(sandbox = %id, "idle clock: {e:#}");
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Live usage of a sandbox, read on the host.
+    pub async fn stats(&self, id: &str) -> ApiResult<SandboxStats> {
+        let rec = self.record(id)?;
+        let (Some(state), SandboxState::Running | SandboxState::Paused) =
+            (rec.tier_state.as_ref(), rec.state)
+        else {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
+        };
+        let tier = self.tier(rec.isolation)?;
+        let read = || async {
+            tier.usage(id, state)
+                .await
+                .map_err(|e| ApiError::internal(format!("sandbox {id}: usage: {e:#}")))
+        };
+        let mut u = read().await?;
+        let now = std::time::Instant::now();
+        let prev = self
+            .cpu_samples
+            .lock()
+            .ok()
+            .and_then(|m| m.get(id).copied());
+        let (since, before) = match prev {
+            Some(p) if now.duration_since(p.0) >= Duration::from_millis(50) => p,
+            _ => {
+                // No earlier sample (or one too recent to mean anything): take two now.
+                let first = (now, u.cpu_usage_us);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                u = read().await?;
+                first
+            }
+        };
+        let at = std::time::Instant::now();
+        let wall_us = at.duration_since(since).as_micros().max(1) as f64;
+        let cpu_cores = u.cpu_usage_us.saturating_sub(before) as f64 / wall_us;
+        if let Ok(mut m) = self.cpu_samples.lock() {
+            m.insert(id.to_string(), (at, u.cpu_usage_us));
+        }
+        Ok(SandboxStats {
+            id: id.to_string(),
+            cpu_usage_us: u.cpu_usage_us,
+            cpu_cores: (cpu_cores * 1000.0).round() / 1000.0,
+            memory_bytes: u.memory_bytes,
+            memory_peak_bytes: u.memory_peak_bytes,
+            pids: u.pids,
+            disk_bytes: u.disk_bytes,
+            disk_inodes: u.disk_inodes,
+            oom_kills: u.oom_kills,
+            limits: rec.limits.clone(),
+        })
     }
 
     pub fn get(&self, id: &str) -> ApiResult<Sandbox> {
@@ -557,6 +759,9 @@ impl Sandboxes {
             .ok_or_else(|| anyhow::anyhow!("no tier {}", rec.isolation.as_str()))?;
         tier.destroy(&rec.id, rec.tier_state.as_ref()).await?;
         self.db.delete_sandbox(&rec.id)?;
+        if let Ok(mut m) = self.cpu_samples.lock() {
+            m.remove(&rec.id);
+        }
         tracing::info!(sandbox = %rec.id, "deleted");
         Ok(())
     }
@@ -572,8 +777,12 @@ impl Sandboxes {
             if n.is_multiple_of(4) {
                 self.remove_dead().await;
             }
-            let ids = match self.db.expired(now_ms()) {
-                Ok(ids) => ids,
+            let now = now_ms();
+            let ids = match self.db.expired(now) {
+                Ok(mut ids) => {
+                    ids.extend(self.idle(now));
+                    ids
+                }
                 Err(e) => {
                     tracing::error!("expiry query: {e:#}");
                     continue;
@@ -584,13 +793,29 @@ impl Sandboxes {
                     if rec.state == SandboxState::Starting {
                         continue;
                     }
-                    tracing::info!(sandbox = %id, "timeout passed");
+                    tracing::info!(sandbox = %id, "timeout or idle timeout passed");
                     if let Err(e) = self.destroy(rec).await {
                         tracing::error!(sandbox = %id, "expire: {e:#}");
                     }
                 }
             }
         }
+    }
+
+    /// Ids of sandboxes whose idle timeout passed.
+    fn idle(&self, now: i64) -> Vec<String> {
+        self.db
+            .list_sandboxes()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| {
+                !r.pooled
+                    && r.state != SandboxState::Stopping
+                    && r.limits.idle_timeout > 0
+                    && r.last_active_ms + 1000 * r.limits.idle_timeout as i64 <= now
+            })
+            .map(|r| r.id)
+            .collect()
     }
 
     async fn remove_dead(&self) {

@@ -1,5 +1,6 @@
 //! The REST API: routing, API-key auth, the OpenAPI document and the error fallbacks.
 
+mod code;
 mod proxy;
 mod sandboxes;
 mod templates;
@@ -31,20 +32,23 @@ pub type St = State<Arc<AppState>>;
     paths(
         health,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
+        sandboxes::stats,
         proxy::start_process, proxy::list_processes, proxy::process_events, proxy::process_stdin,
         proxy::process_close_stdin, proxy::process_signal, proxy::process_resize,
         proxy::read_file, proxy::write_file, proxy::stat, proxy::exists, proxy::list_dir, proxy::mkdir,
         proxy::rename, proxy::remove, proxy::download_tar, proxy::upload_tar, proxy::watch,
         ws::process_ws,
         templates::list, templates::get, templates::register, templates::build, templates::delete,
+        code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
     ),
-    components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent)),
+    components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent, moat_api::CodeEvent)),
     modifiers(&BearerAuth),
     tags(
         (name = "sandboxes", description = "Sandbox lifecycle"),
         (name = "processes", description = "Commands, background processes, stdin, signals and PTYs"),
         (name = "files", description = "The sandbox's filesystem"),
         (name = "templates", description = "Root filesystems sandboxes start from"),
+        (name = "code", description = "Stateful code execution with rich results (code interpreter)"),
     )
 )]
 pub struct ApiDoc;
@@ -79,6 +83,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(sandboxes::get).delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route(
             "/v1/sandboxes/{id}/processes",
             post(proxy::start_process).get(proxy::list_processes),
@@ -122,6 +127,19 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(proxy::download_tar).put(proxy::upload_tar),
         )
         .route("/v1/sandboxes/{id}/fs/watch", get(proxy::watch))
+        .route("/v1/sandboxes/{id}/code", post(code::run))
+        .route(
+            "/v1/sandboxes/{id}/code/contexts",
+            post(code::create_context).get(code::list_contexts),
+        )
+        .route(
+            "/v1/sandboxes/{id}/code/contexts/{context}",
+            delete(code::delete_context),
+        )
+        .route(
+            "/v1/sandboxes/{id}/code/contexts/{context}/restart",
+            post(code::restart_context),
+        )
         .route(
             "/v1/templates",
             get(templates::list).post(templates::register),
@@ -215,8 +233,11 @@ mod tests {
             "/v1/sandboxes/{id}",
             "/v1/sandboxes/{id}/processes",
             "/v1/sandboxes/{id}/files",
+            "/v1/sandboxes/{id}/stats",
             "/v1/sandboxes/{id}/fs/watch",
             "/v1/templates/{name}/build",
+            "/v1/sandboxes/{id}/code",
+            "/v1/sandboxes/{id}/code/contexts/{context}/restart",
         ] {
             assert!(paths.contains_key(p), "missing {p}");
         }

@@ -78,6 +78,17 @@ pub async fn delete(State(st): St, Path(id): Path<String>) -> ApiResult<StatusCo
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Live resource usage of a sandbox, read on the host (cgroup counters, writable layer), with its limits.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/stats", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = moat_api::SandboxStats), (status = 404, body = moat_api::ErrorBody),
+              (status = 409, body = moat_api::ErrorBody)))]
+pub async fn stats(
+    State(st): St,
+    Path(id): Path<String>,
+) -> ApiResult<Json<moat_api::SandboxStats>> {
+    Ok(Json(st.sandboxes.stats(&id).await?))
+}
+
 /// Set the sandbox to expire `timeout` seconds from now.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", tag = "sandboxes", params(("id" = String, Path)),
     request_body = SetTimeoutRequest,

@@ -46,6 +46,27 @@ pub struct Limits {
     pub pids: u64,
 }
 
+/// What a group uses now.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    /// CPU time of all its tasks, microseconds.
+    pub cpu_usage_us: u64,
+    pub memory_bytes: u64,
+    pub memory_peak_bytes: u64,
+    pub pids: u64,
+    /// Processes the OOM killer ended in this group.
+    pub oom_kills: u64,
+}
+
+/// The value of `key` in a flat-keyed cgroup file (`key value` per line: `cpu.stat`, `memory.events`,
+/// v1 `memory.oom_control`).
+pub fn keyed_value(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        (it.next()? == key).then(|| it.next()?.parse().ok())?
+    })
+}
+
 /// CFS period used for CPU quotas, in microseconds.
 const CPU_PERIOD_US: u64 = 100_000;
 
@@ -180,6 +201,65 @@ impl CgroupLayout {
                 Some(root.join(controller).join(parent).join(name).join(file))
             }
         }
+    }
+
+    /// The file whose `oom_kill N` line counts the group's OOM kills.
+    pub fn oom_counter_file(&self, name: &str) -> Option<PathBuf> {
+        match self {
+            CgroupLayout::V2 { .. } => self.file_in(name, "memory.events"),
+            CgroupLayout::V1 { .. } => self.file_in(name, "memory.oom_control"),
+        }
+    }
+
+    /// The files `usage` reads, in this layout: (cpu, memory, peak, pids).
+    fn usage_files(&self) -> [&'static str; 4] {
+        match self {
+            CgroupLayout::V2 { .. } => {
+                ["cpu.stat", "memory.current", "memory.peak", "pids.current"]
+            }
+            CgroupLayout::V1 { .. } => [
+                "cpuacct.usage",
+                "memory.usage_in_bytes",
+                "memory.max_usage_in_bytes",
+                "pids.current",
+            ],
+        }
+    }
+
+    /// Current usage of group `name`, parsed from the texts of its files (`read` maps a file name to its
+    /// content; a missing file reads as 0).
+    pub fn parse_usage(&self, read: impl Fn(&str) -> Option<String>) -> Usage {
+        let [cpu, mem, peak, pids] = self.usage_files();
+        let num = |f: &str| {
+            read(f)
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let cpu_usage_us = match self {
+            CgroupLayout::V2 { .. } => read(cpu)
+                .and_then(|s| keyed_value(&s, "usage_usec"))
+                .unwrap_or(0),
+            CgroupLayout::V1 { .. } => num(cpu) / 1000,
+        };
+        let oom_file = match self {
+            CgroupLayout::V2 { .. } => "memory.events",
+            CgroupLayout::V1 { .. } => "memory.oom_control",
+        };
+        let memory_bytes = num(mem);
+        Usage {
+            cpu_usage_us,
+            memory_bytes,
+            memory_peak_bytes: num(peak).max(memory_bytes),
+            pids: num(pids),
+            oom_kills: read(oom_file)
+                .and_then(|s| keyed_value(&s, "oom_kill"))
+                .unwrap_or(0),
+        }
+    }
+
+    /// Current usage of group `name`.
+    pub fn usage(&self, name: &str) -> Usage {
+        self.parse_usage(|f| std::fs::read_to_string(self.file_in(name, f)?).ok())
     }
 
     /// Moves process `pid` (and so its future children) into the group.
@@ -331,6 +411,97 @@ mod tests {
             l.file_in("sbx", "freezer.state").unwrap(),
             PathBuf::from("/sys/fs/cgroup/freezer/moat/sbx/freezer.state")
         );
+    }
+
+    #[test]
+    fn v2_usage_files() {
+        let l = CgroupLayout::V2 {
+            root: "/sys/fs/cgroup".into(),
+            parent: PARENT.into(),
+        };
+        let files: std::collections::HashMap<&str, &str> = [
+            (
+                "cpu.stat",
+                "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\nnr_periods 10\n",
+            ),
+            ("memory.current", "104857600\n"),
+            ("memory.peak", "209715200\n"),
+            ("pids.current", "3\n"),
+            (
+                "memory.events",
+                "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n",
+            ),
+        ]
+        .into();
+        let u = l.parse_usage(|f| files.get(f).map(|s| s.to_string()));
+        assert_eq!(
+            u,
+            Usage {
+                cpu_usage_us: 2_500_000,
+                memory_bytes: 100 << 20,
+                memory_peak_bytes: 200 << 20,
+                pids: 3,
+                oom_kills: 2,
+            }
+        );
+        assert_eq!(
+            l.oom_counter_file("sbx").unwrap(),
+            PathBuf::from("/sys/fs/cgroup/moat/sbx/memory.events")
+        );
+        // An older kernel without memory.peak: the peak is at least the current use.
+        let u = l.parse_usage(|f| (f == "memory.current").then(|| "42\n".to_string()));
+        assert_eq!(
+            (u.memory_bytes, u.memory_peak_bytes, u.oom_kills),
+            (42, 42, 0)
+        );
+    }
+
+    #[test]
+    fn v1_usage_files() {
+        let l = CgroupLayout::V1 {
+            root: "/sys/fs/cgroup".into(),
+            parent: PARENT.into(),
+        };
+        let files: std::collections::HashMap<&str, &str> = [
+            ("cpuacct.usage", "2500000123\n"),
+            ("memory.usage_in_bytes", "1000\n"),
+            ("memory.max_usage_in_bytes", "2000\n"),
+            ("pids.current", "7\n"),
+            (
+                "memory.oom_control",
+                "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+            ),
+        ]
+        .into();
+        let u = l.parse_usage(|f| files.get(f).map(|s| s.to_string()));
+        assert_eq!(
+            (
+                u.cpu_usage_us,
+                u.memory_bytes,
+                u.memory_peak_bytes,
+                u.pids,
+                u.oom_kills
+            ),
+            (2_500_000, 1000, 2000, 7, 1)
+        );
+        assert_eq!(
+            l.oom_counter_file("sbx").unwrap(),
+            PathBuf::from("/sys/fs/cgroup/memory/moat/sbx/memory.oom_control")
+        );
+    }
+
+    #[test]
+    fn v2_pids_and_swap_limits() {
+        let l = CgroupLayout::V2 {
+            root: "/x".into(),
+            parent: PARENT.into(),
+        };
+        let files = l.limit_files(&Limits {
+            pids: 64,
+            ..limits()
+        });
+        assert!(files.contains(&("pids.max".into(), "64".into())));
+        assert!(files.contains(&("memory.swap.max".into(), "0".into())));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod caps;
 pub mod cgroup;
+pub mod diskimage;
 pub mod mount;
 pub mod proc;
 pub mod seccomp;

@@ -116,6 +116,85 @@ pub fn overlay(lower: &Path, upper: &Path, work: &Path, target: &Path) -> Result
     .with_context(|| format!("mount overlay at {}", target.display()))
 }
 
+/// Mounts a tmpfs of `size_mb` MiB and `inodes` inodes at `target` (created when missing), mode 1777,
+/// owned by `owner` (the sandbox's root), nosuid and nodev. Its pages are charged to the memory cgroup
+/// of whoever writes them.
+pub fn tmpfs(root: &Path, rel: &str, size_mb: u64, inodes: u64, owner: u32) -> Result<()> {
+    let target = mkdir_no_symlinks(root, rel)?;
+    let target = target.as_path();
+    let opts = tmpfs_options(size_mb, inodes, owner);
+    mount(
+        Some("tmpfs"),
+        target,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(opts.as_str()),
+    )
+    .with_context(|| format!("mount tmpfs at {}", target.display()))
+}
+
+pub fn tmpfs_options(size_mb: u64, inodes: u64, owner: u32) -> String {
+    format!("size={size_mb}m,nr_inodes={inodes},mode=1777,uid={owner},gid={owner}")
+}
+
+/// Bind-mounts the file `src` read-only (nosuid, nodev, noexec) at `target`, creating `target` and its
+/// parents when missing.
+pub fn bind_file_readonly(src: &Path, root: &Path, rel: &str) -> Result<()> {
+    let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+    let target = mkdir_no_symlinks(root, dir)?.join(name);
+    match std::fs::symlink_metadata(&target) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => bail!("{} is not a regular file", target.display()),
+        Err(_) => {
+            std::fs::File::create(&target)
+                .with_context(|| format!("create {}", target.display()))?;
+        }
+    }
+    let target = target.as_path();
+    mount(
+        Some(src),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .with_context(|| format!("bind {} at {}", src.display(), target.display()))?;
+    mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_REMOUNT
+            | MsFlags::MS_BIND
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .with_context(|| format!("remount {} read-only", target.display()))
+}
+
+/// Makes the directory `root/rel` (like `mkdir -p`), refusing to follow a symlink at any step: `root`
+/// is a sandbox's root filesystem, whose links point wherever its template says.
+pub fn mkdir_no_symlinks(root: &Path, rel: &str) -> Result<PathBuf> {
+    let mut p = root.to_path_buf();
+    for c in rel.split('/').filter(|c| !c.is_empty()) {
+        if c == "." || c == ".." {
+            bail!("bad path component {c:?} in {rel:?}");
+        }
+        p.push(c);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => bail!("/{rel}: {} is not a directory", p.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir(&p).with_context(|| format!("mkdir {}", p.display()))?;
+            }
+            Err(e) => return Err(e).with_context(|| format!("stat {}", p.display())),
+        }
+    }
+    Ok(p)
+}
+
 /// Lazily unmounts `target` and everything below it; not mounted is fine.
 pub fn unmount_tree(target: &Path) -> Result<()> {
     let mut points: Vec<PathBuf> = mounts_under(target)?;
@@ -188,6 +267,14 @@ pub fn remove_unmounted_tree(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tmpfs_option_string() {
+        assert_eq!(
+            tmpfs_options(64, 16384, 1_000_000_000),
+            "size=64m,nr_inodes=16384,mode=1777,uid=1000000000,gid=1000000000"
+        );
+    }
 
     #[test]
     fn mountinfo_points() {

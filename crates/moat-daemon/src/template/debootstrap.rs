@@ -42,6 +42,15 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "openssh-client",
 ];
 
+/// Packages some named templates get on top of [`DEFAULT_PACKAGES`]; other names get none.
+pub fn template_packages(name: &str) -> &'static [&'static str] {
+    match name {
+        // The code interpreter's rich results: DataFrames and charts.
+        "code-interpreter" => &["python3-numpy", "python3-pandas", "python3-matplotlib"],
+        _ => &[],
+    }
+}
+
 const FALLBACK_SUITE: &str = "bookworm";
 /// How many lines of output a failure message carries.
 const TAIL_LINES: usize = 20;

@@ -139,7 +139,12 @@ impl TemplateStore {
                 "template {name} is used by {users} sandbox(es); remove them first"
             )));
         }
-        let opts = debootstrap::DebootstrapOptions::from_host(self.cache_dir.clone())?;
+        let mut opts = debootstrap::DebootstrapOptions::from_host(self.cache_dir.clone())?;
+        opts.packages.extend(
+            debootstrap::template_packages(name)
+                .iter()
+                .map(|p| p.to_string()),
+        );
         self.produce(db, name, TemplateSource::Debootstrap, |target| {
             let events = events.clone();
             async move { debootstrap::build(&opts, &target, &events).await }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 
 use anyhow::Result;
-use moat_api::{Isolation, TierInfo};
+use moat_api::{Isolation, SandboxLimits, TierInfo};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 pub mod container;
@@ -23,10 +23,21 @@ pub struct SandboxSpec {
     pub template_rootfs: PathBuf,
     /// The environment the agent (and so every process) starts with.
     pub env: BTreeMap<String, String>,
-    pub cpu: f64,
-    pub memory_mb: u64,
+    pub limits: SandboxLimits,
     /// Index of the sandbox's host uid/gid range.
     pub slot: u32,
+}
+
+/// What a sandbox uses now.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TierUsage {
+    pub cpu_usage_us: u64,
+    pub memory_bytes: u64,
+    pub memory_peak_bytes: u64,
+    pub pids: u64,
+    pub oom_kills: u64,
+    pub disk_bytes: u64,
+    pub disk_inodes: u64,
 }
 
 /// A byte stream to a sandbox's agent.
@@ -50,14 +61,22 @@ pub trait IsolationTier: Send + Sync {
     /// Whether the sandbox described by `state` still runs (used when re-adopting after a restart).
     async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
 
-    /// Changes the CPU and memory limits of a running sandbox.
+    /// Changes the CPU, memory and pids limits of a running sandbox (the others are fixed at create).
     async fn set_limits(
         &self,
         id: &str,
         state: &serde_json::Value,
-        cpu: f64,
-        memory_mb: u64,
+        limits: &SandboxLimits,
     ) -> Result<()>;
+
+    /// Live usage, read on the host.
+    async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage>;
+
+    /// Path inside the sandbox of a read-only file whose `oom_kill N` line counts its OOM kills, for
+    /// the agent to tell an OOM kill from another SIGKILL; None when the tier has none.
+    fn oom_counter_inside(&self) -> Option<String> {
+        None
+    }
 
     /// Freezes every process of the sandbox.
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()>;

@@ -31,6 +31,9 @@ pub const INIT_ARG: &str = "__sandbox-init";
 pub const AGENT_PATH_INSIDE: &str = "/dev/.moat/agent";
 pub const LISTEN_FD: i32 = 3;
 pub const SYNC_FD: i32 = 4;
+/// The sandbox's directory on the host; the helper works from it, so `rootfs` and the agent are
+/// reached by relative paths that never need search permission above the data dir.
+pub const DIR_FD: i32 = 5;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InitConfig {
@@ -69,6 +72,9 @@ fn run(cfg: &InitConfig, sync: &mut UnixStream) -> Result<()> {
     // Root of the new user namespace (mapped by the daemon to the sandbox's host uid range).
     nix::unistd::setresgid(0.into(), 0.into(), 0.into()).context("setresgid(0)")?;
     nix::unistd::setresuid(0.into(), 0.into(), 0.into()).context("setresuid(0)")?;
+    // The working directory moves into the new mount namespace's copy of the tree with the unshare.
+    nix::unistd::fchdir(DIR_FD).context("fchdir to the sandbox directory")?;
+    nix::unistd::close(DIR_FD).context("close the sandbox directory")?;
     unshare(
         CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWUTS

@@ -4,7 +4,12 @@
 //!
 //! Layout of a sandbox on the host, under `<data_dir>/sandboxes/<id>/`:
 //! `lower` (idmapped read-only template mount), `upper` + `work` (the writable layer), `rootfs` (the
-//! overlay), `agent.sock` (the agent's listening socket; only the daemon can reach this path).
+//! overlay), `agent.sock` (the agent's listening socket; only the daemon can reach this path). With a
+//! disk quota (`disk_mb` > 0) the writable layer is `disk/upper` + `disk/work` on `disk`, an ext4 image
+//! (`disk.img`) on a loop device (see `host::diskimage`). A /tmp quota (`tmp_mb` > 0) is a tmpfs mounted
+//! at `rootfs/tmp`; the sandbox's OOM counter file is bind-mounted read-only at
+//! `rootfs/run/moat/memory.events` (both before the sandbox's mount namespace is made, so it inherits
+//! them locked).
 
 pub mod init;
 
@@ -22,15 +27,24 @@ use anyhow::{anyhow, bail, Context, Result};
 use moat_api::{Isolation, TierInfo};
 use serde::{Deserialize, Serialize};
 
-use super::{AgentStream, IsolationTier, SandboxSpec};
+use super::{AgentStream, IsolationTier, SandboxSpec, TierUsage};
 use crate::host::cgroup::{CgroupLayout, Limits};
-use crate::host::{mount, proc};
+use crate::host::{diskimage, mount, proc};
 
 /// Host ids each sandbox's user namespace maps (0..65535 inside).
 pub const IDS_PER_SANDBOX: u32 = 65_536;
 /// Largest number of uid slots (so ranges stay below 2^32).
 pub const MAX_SLOTS: u32 = 4096;
-const PIDS_LIMIT: u64 = 4096;
+/// Where the sandbox's cgroup OOM counter appears inside it (read-only).
+pub const OOM_COUNTER_INSIDE: &str = "/run/moat/memory.events";
+
+fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
+    Limits {
+        cpu: l.cpu,
+        memory_bytes: l.memory_mb << 20,
+        pids: l.pids,
+    }
+}
 
 /// What the daemon stores to find a container sandbox again.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -96,26 +110,36 @@ impl ContainerTier {
         }
         let dir = self.dir(&spec.id);
         let host_uid = self.host_uid(spec.slot);
-        for sub in ["lower", "upper", "work", "rootfs"] {
+        for sub in ["lower", "rootfs"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("mkdir {sub}"))?;
+        }
+        let layer = if spec.limits.disk_mb > 0 {
+            let started = std::time::Instant::now();
+            diskimage::create_and_mount(
+                &dir.join("disk.img"),
+                spec.limits.disk_mb,
+                spec.limits.disk_inodes,
+                &dir.join("disk"),
+            )?;
+            tracing::debug!(sandbox = %spec.id, "disk image ready in {:?}", started.elapsed());
+            dir.join("disk")
+        } else {
+            dir.clone()
+        };
+        for sub in ["upper", "work"] {
+            std::fs::create_dir_all(layer.join(sub)).with_context(|| format!("mkdir {sub}"))?;
         }
         // The overlay's root directory is the upper layer's: make it the sandbox root's.
         nix::unistd::chown(
-            &dir.join("upper"),
+            &layer.join("upper"),
             Some(host_uid.into()),
             Some(host_uid.into()),
         )
         .context("chown upper layer")?;
-        std::fs::set_permissions(dir.join("upper"), std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(layer.join("upper"), std::fs::Permissions::from_mode(0o755))?;
 
-        self.cgroups.create(
-            &spec.id,
-            &Limits {
-                cpu: spec.cpu,
-                memory_bytes: spec.memory_mb << 20,
-                pids: PIDS_LIMIT,
-            },
-        )?;
+        self.cgroups
+            .create(&spec.id, &cgroup_limits(&spec.limits))?;
 
         let sock_path = dir.join("agent.sock");
         let _ = std::fs::remove_file(&sock_path);
@@ -123,12 +147,28 @@ impl ContainerTier {
         std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))?;
         let (mut ours, theirs) = UnixStream::pair().context("socketpair")?;
 
+        // Paths relative to the sandbox directory (the init helper's working directory, passed as an
+        // open descriptor): the sandbox's root is not the host's root, and must not need search
+        // permission on the data dir's ancestors (a data dir under /root, 0700, must work too).
+        let agent_name = self
+            .agent
+            .file_name()
+            .ok_or_else(|| anyhow!("agent path {} has no file name", self.agent.display()))?;
+        if self.agent.parent() != self.root.parent().map(|d| d.join("bin")).as_deref() {
+            bail!(
+                "the agent {} is not in the data dir's bin/",
+                self.agent.display()
+            );
+        }
         let config = init::InitConfig {
-            rootfs: dir.join("rootfs"),
+            rootfs: PathBuf::from("rootfs"),
             hostname: spec.hostname.clone(),
-            agent: self.agent.clone(),
+            agent: Path::new("../../bin").join(agent_name),
             env: spec.env.clone(),
         };
+        let dir_fd: OwnedFd = std::fs::File::open(&dir)
+            .with_context(|| format!("open {}", dir.display()))?
+            .into();
         let mut cmd = Command::new(&self.self_exe);
         cmd.arg(init::INIT_ARG)
             .arg(serde_json::to_string(&config)?)
@@ -138,6 +178,7 @@ impl ContainerTier {
             .stderr(Stdio::null());
         let lfd = listener.as_raw_fd();
         let sfd = theirs.as_raw_fd();
+        let dfd = dir_fd.as_raw_fd();
         // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -145,10 +186,13 @@ impl ContainerTier {
                 // clobbers the other; dup2 clears close-on-exec on 3 and 4.
                 let l = libc::fcntl(lfd, libc::F_DUPFD_CLOEXEC, 10);
                 let s = libc::fcntl(sfd, libc::F_DUPFD_CLOEXEC, 10);
+                let d = libc::fcntl(dfd, libc::F_DUPFD_CLOEXEC, 10);
                 if l < 0
                     || s < 0
+                    || d < 0
                     || libc::dup2(l, init::LISTEN_FD) < 0
                     || libc::dup2(s, init::SYNC_FD) < 0
+                    || libc::dup2(d, init::DIR_FD) < 0
                 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -157,8 +201,9 @@ impl ContainerTier {
         }
         let mut child = cmd.spawn().context("spawn sandbox init")?;
         drop(theirs);
+        drop(dir_fd);
         drop(listener);
-        let result = self.finish_start(spec, &dir, host_uid, child.id(), &mut ours);
+        let result = self.finish_start(spec, &dir, &layer, host_uid, child.id(), &mut ours);
         if result.is_err() {
             let _ = child.kill();
         }
@@ -170,6 +215,7 @@ impl ContainerTier {
         &self,
         spec: &SandboxSpec,
         dir: &Path,
+        layer: &Path,
         host_uid: u32,
         helper: u32,
         sync: &mut UnixStream,
@@ -190,10 +236,25 @@ impl ContainerTier {
         mount::idmapped_bind(&spec.template_rootfs, &dir.join("lower"), &userns)?;
         mount::overlay(
             &dir.join("lower"),
-            &dir.join("upper"),
-            &dir.join("work"),
+            &layer.join("upper"),
+            &layer.join("work"),
             &dir.join("rootfs"),
         )?;
+        let rootfs = dir.join("rootfs");
+        if spec.limits.tmp_mb > 0 {
+            mount::tmpfs(
+                &rootfs,
+                "tmp",
+                spec.limits.tmp_mb,
+                // One inode per 4 KiB, like a disk.
+                (spec.limits.tmp_mb * 256).max(1024),
+                host_uid,
+            )?;
+        }
+        if let Some(counter) = self.cgroups.oom_counter_file(&spec.id) {
+            mount::bind_file_readonly(&counter, &rootfs, OOM_COUNTER_INSIDE)
+                .context("show the OOM counter to the agent")?;
+        }
         self.cgroups.add_process(&spec.id, helper)?;
         sync.write_all(b"G").context("release init helper")?;
 
@@ -213,6 +274,7 @@ impl ContainerTier {
         let agent_pid = agent_pid.ok_or_else(|| anyhow!("sandbox init reported no pid"))?;
         let agent_start_ticks = proc::start_ticks(agent_pid)
             .ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
+
         Ok(ContainerState {
             agent_pid,
             agent_start_ticks,
@@ -240,6 +302,32 @@ impl ContainerTier {
         mount::unmount_tree(&dir)?;
         mount::remove_unmounted_tree(&dir)
     }
+}
+
+/// Bytes (allocated) and entries under `dir`, counting at most `max_entries` (a layer without a disk
+/// quota has no cheaper source).
+fn tree_usage(dir: &Path, max_entries: u64) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let (mut bytes, mut n) = (0u64, 0u64);
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            n += 1;
+            if n > max_entries {
+                return (bytes, n);
+            }
+            if let Ok(m) = e.metadata() {
+                bytes += m.blocks() * 512;
+                if m.is_dir() {
+                    stack.push(e.path());
+                }
+            }
+        }
+    }
+    (bytes, n)
 }
 
 /// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
@@ -311,17 +399,37 @@ impl IsolationTier for ContainerTier {
         &self,
         id: &str,
         _state: &serde_json::Value,
-        cpu: f64,
-        memory_mb: u64,
+        limits: &moat_api::SandboxLimits,
     ) -> Result<()> {
-        self.cgroups.create(
-            id,
-            &Limits {
-                cpu,
-                memory_bytes: memory_mb << 20,
-                pids: PIDS_LIMIT,
-            },
-        )
+        self.cgroups.create(id, &cgroup_limits(limits))
+    }
+
+    async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
+        let this = self.clone_handle();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            let u = this.cgroups.usage(&id);
+            let dir = this.dir(&id);
+            let (disk_bytes, disk_inodes) = if dir.join("disk.img").exists() {
+                diskimage::used(&dir.join("disk"))?
+            } else {
+                tree_usage(&dir.join("upper"), 1_000_000)
+            };
+            Ok(TierUsage {
+                cpu_usage_us: u.cpu_usage_us,
+                memory_bytes: u.memory_bytes,
+                memory_peak_bytes: u.memory_peak_bytes,
+                pids: u.pids,
+                oom_kills: u.oom_kills,
+                disk_bytes,
+                disk_inodes,
+            })
+        })
+        .await?
+    }
+
+    fn oom_counter_inside(&self) -> Option<String> {
+        Some(OOM_COUNTER_INSIDE.to_string())
     }
 
     async fn pause(&self, id: &str, _state: &serde_json::Value) -> Result<()> {

@@ -1,0 +1,227 @@
+//! A size- and inode-limited filesystem for a sandbox's writable layer: a sparse ext4 image file,
+//! attached to a loop device and mounted.
+//!
+//! The image is made with `mkfs.ext4` (no journal, lazy inode tables, no reserved blocks) and attached
+//! with the loop ioctls (`LOOP_CTL_GET_FREE` + `LOOP_CONFIGURE`) with `LO_FLAGS_AUTOCLEAR`: the kernel
+//! detaches the loop device by itself once the filesystem is unmounted everywhere, so unmounting the
+//! sandbox's tree is all the cleanup there is and a daemon crash cannot leave a loop device behind.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nix::mount::{mount, MsFlags};
+
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+
+/// `struct loop_info64` of <linux/loop.h>.
+#[repr(C)]
+struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; 64],
+    lo_crypt_name: [u8; 64],
+    lo_encrypt_key: [u8; 32],
+    lo_init: [u64; 2],
+}
+
+/// `struct loop_config` of <linux/loop.h>.
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+/// Arguments of `mkfs.ext4` for an image of `size_mb` MiB with `inodes` inodes.
+pub fn mkfs_args(image: &Path, size_mb: u64, inodes: u64) -> Vec<String> {
+    vec![
+        "-q".into(),
+        "-F".into(),
+        "-t".into(),
+        "ext4".into(),
+        "-O".into(),
+        "^has_journal".into(),
+        "-E".into(),
+        "lazy_itable_init=1,nodiscard".into(),
+        "-m".into(),
+        "0".into(),
+        "-N".into(),
+        inodes.to_string(),
+        image.to_string_lossy().into_owned(),
+        format!("{size_mb}M"),
+    ]
+}
+
+/// Creates the sparse image `image` and mounts it at `target` (nosuid, nodev). Returns the loop device.
+pub fn create_and_mount(image: &Path, size_mb: u64, inodes: u64, target: &Path) -> Result<PathBuf> {
+    {
+        let f = File::create(image).with_context(|| format!("create {}", image.display()))?;
+        f.set_len(size_mb << 20)
+            .with_context(|| format!("size {}", image.display()))?;
+    }
+    let out = Command::new("mkfs.ext4")
+        .args(mkfs_args(image, size_mb, inodes))
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .context("run mkfs.ext4 (install e2fsprogs)")?;
+    if !out.status.success() {
+        bail!(
+            "mkfs.ext4 failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let (dev, _file) = attach(image)?;
+    std::fs::create_dir_all(target).with_context(|| format!("mkdir {}", target.display()))?;
+    // noinit_itable: the sparse file already reads as zeros, so the kernel need not write the inode
+    // tables (which would allocate them on the host).
+    mount(
+        Some(&dev),
+        target,
+        Some("ext4"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("noinit_itable,errors=remount-ro"),
+    )
+    .with_context(|| format!("mount {} at {}", dev.display(), target.display()))?;
+    // `_file` (the loop device's fd) closes here: the mount now holds the device, and autoclear
+    // detaches it when the last mount goes.
+    Ok(dev)
+}
+
+/// Attaches `image` to a free loop device with autoclear. The returned file keeps it attached until
+/// closed (or, after a mount, until the filesystem is unmounted).
+fn attach(image: &Path) -> Result<(PathBuf, File)> {
+    let backing = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(image)
+        .with_context(|| format!("open {}", image.display()))?;
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/loop-control")
+        .context("open /dev/loop-control")?;
+    for _ in 0..20 {
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error()).context("LOOP_CTL_GET_FREE");
+        }
+        let dev = PathBuf::from(format!("/dev/loop{n}"));
+        let loopf = match OpenOptions::new().read(true).write(true).open(&dev) {
+            Ok(f) => f,
+            // The node may appear a moment after the device is created.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("open {}", dev.display())),
+        };
+        // SAFETY: LoopConfig is plain data; all-zero is a valid value.
+        let mut cfg: LoopConfig = unsafe { std::mem::zeroed() };
+        cfg.fd = backing.as_raw_fd() as u32;
+        cfg.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+        let name = image.as_os_str().as_encoded_bytes();
+        let len = name.len().min(63);
+        cfg.info.lo_file_name[..len].copy_from_slice(&name[..len]);
+        // SAFETY: `cfg` is a valid loop_config that outlives the call; the kernel only reads it.
+        let r = unsafe { libc::ioctl(loopf.as_raw_fd(), LOOP_CONFIGURE as _, &cfg) };
+        if r == 0 {
+            return Ok((dev, loopf));
+        }
+        let e = std::io::Error::last_os_error();
+        // EBUSY: someone else took this device between GET_FREE and CONFIGURE; try another.
+        if e.raw_os_error() != Some(libc::EBUSY) {
+            return Err(e).with_context(|| format!("LOOP_CONFIGURE {}", dev.display()));
+        }
+    }
+    bail!("no free loop device")
+}
+
+/// Bytes and inodes in use on the filesystem mounted at `dir`.
+pub fn used(dir: &Path) -> Result<(u64, u64)> {
+    let s =
+        nix::sys::statvfs::statvfs(dir).with_context(|| format!("statvfs {}", dir.display()))?;
+    let bytes = (s.blocks() - s.blocks_free()) as u64 * s.fragment_size() as u64;
+    let inodes = (s.files() - s.files_free()) as u64;
+    Ok((bytes, inodes))
+}
+
+/// Loop devices whose backing file lies under `dir` (for leak checks and diagnostics).
+pub fn loops_backed_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/sys/block") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            if Path::new(b.trim()).starts_with(dir) {
+                out.push(name);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mkfs_arguments() {
+        let a = mkfs_args(Path::new("/d/disk.img"), 1024, 65536);
+        assert_eq!(a.last().unwrap(), "1024M");
+        let i = a.iter().position(|x| x == "-N").unwrap();
+        assert_eq!(a[i + 1], "65536");
+        assert!(a.contains(&"^has_journal".to_string()));
+        assert_eq!(std::mem::size_of::<LoopInfo64>(), 232);
+        assert_eq!(std::mem::size_of::<LoopConfig>(), 304);
+    }
+
+    #[test]
+    fn image_limits_size_and_inodes() {
+        if !nix::unistd::Uid::effective().is_root() || !Path::new("/dev/loop-control").exists() {
+            eprintln!("skipped: needs root and loop devices");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("disk.img");
+        let mnt = dir.path().join("mnt");
+        let t = std::time::Instant::now();
+        create_and_mount(&img, 32, 1024, &mnt).unwrap();
+        eprintln!("image made and mounted in {:?}", t.elapsed());
+        assert_eq!(loops_backed_under(dir.path()).len(), 1);
+        let s = nix::sys::statvfs::statvfs(&mnt).unwrap();
+        assert!(s.files() <= 2048, "{}", s.files());
+        let big = std::fs::write(mnt.join("big"), vec![1u8; 40 << 20]);
+        assert_eq!(big.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+        nix::mount::umount2(&mnt, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        let mut left = loops_backed_under(dir.path());
+        for _ in 0..100 {
+            if left.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            left = loops_backed_under(dir.path());
+        }
+        assert!(left.is_empty(), "loop devices left: {left:?}");
+    }
+}

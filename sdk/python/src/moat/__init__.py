@@ -1,0 +1,30 @@
+"""Python SDK for moat, the self-hosted sandbox for AI agents.
+
+    from moat import Sandbox
+
+    with Sandbox.create() as sbx:
+        print(sbx.commands.run("echo hello").stdout)
+"""
+
+from .aio import AsyncCommandHandle, AsyncPtyHandle, AsyncSandbox, AsyncWatchHandle
+from .commands import CommandHandle, Commands
+from .exceptions import (AuthenticationError, CommandExitException, CommandTimeoutError, ConflictError,
+                         InternalError, InvalidArgumentError, MoatError, NotFoundError, NotSupportedError,
+                         PayloadTooLargeError, PermissionDeniedError, SandboxTimeoutError, UnavailableError)
+from .files import FileStream, Filesystem, WatchHandle
+from .models import (CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
+                     ProcessEvent, ProcessInfo, Result, SandboxInfo, TemplateInfo, WriteEntry)
+from .pty import Pty, PtyHandle
+from .sandbox import Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Sandbox", "AsyncSandbox", "Commands", "CommandHandle", "AsyncCommandHandle", "Filesystem", "FileStream",
+    "WatchHandle", "AsyncWatchHandle", "Pty", "PtyHandle", "AsyncPtyHandle",
+    "CommandResult", "Context", "EntryInfo", "Execution", "ExecutionError", "ExitStatus", "FilesystemEvent", "Logs",
+    "ProcessEvent", "ProcessInfo", "Result", "SandboxInfo", "TemplateInfo", "WriteEntry",
+    "MoatError", "InvalidArgumentError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
+    "ConflictError", "PayloadTooLargeError", "SandboxTimeoutError", "UnavailableError", "InternalError",
+    "NotSupportedError", "CommandExitException", "CommandTimeoutError",
+]

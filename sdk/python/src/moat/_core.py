@@ -1,0 +1,178 @@
+"""Request bodies and stream interpretation shared by the sync and async clients (no I/O here)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from .exceptions import CommandExitException, CommandTimeoutError
+from .models import CommandResult, Execution, ExecutionError, ProcessEvent, Result
+
+Cmd = Union[str, Sequence[str]]
+OutputHandler = Optional[Callable[[str], Any]]
+
+DEFAULT_COMMAND_TIMEOUT = 60.0
+
+
+def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation) -> Dict[str, Any]:
+    body: Dict[str, Any] = {}
+    for k, v in (("template", template), ("timeout", timeout), ("cpu", cpu), ("memory_mb", memory_mb),
+                 ("isolation", isolation)):
+        if v is not None:
+            body[k] = v
+    if envs:
+        body["env"] = dict(envs)
+    if metadata:
+        body["metadata"] = dict(metadata)
+    return body
+
+
+def list_params(metadata: Optional[Dict[str, str]], state: Optional[str]) -> List[tuple]:
+    params = [("metadata", f"{k}={v}") for k, v in (metadata or {}).items()]
+    if state:
+        params.append(("state", state))
+    return params
+
+
+def start_body(cmd: Cmd, *, background: bool, envs=None, cwd=None, user=None, timeout=None, stdin=False,
+               tag=None, pty=None) -> Dict[str, Any]:
+    """``POST .../processes`` body. A string runs through the shell, a list is argv."""
+    body: Dict[str, Any] = {"background": background}
+    if isinstance(cmd, str):
+        body["command"] = cmd
+    else:
+        body["cmd"] = [str(a) for a in cmd]
+    if timeout is None and not background:
+        timeout = DEFAULT_COMMAND_TIMEOUT
+    if timeout:
+        body["timeout"] = float(timeout)
+    for k, v in (("cwd", cwd), ("user", user), ("tag", tag)):
+        if v is not None:
+            body[k] = v
+    if envs:
+        body["env"] = dict(envs)
+    if stdin:
+        body["stdin"] = True
+    if pty is not None:
+        body["pty"] = {"cols": pty[0], "rows": pty[1]}
+    return body
+
+
+def parse_line(line: Union[str, bytes]) -> Optional[Dict[str, Any]]:
+    line = line.strip() if isinstance(line, str) else line.strip().decode()
+    return json.loads(line) if line else None
+
+
+class OutputCollector:
+    """Feeds process events to callbacks and collects stdout/stderr into a :class:`CommandResult`."""
+
+    def __init__(self, on_stdout: OutputHandler = None, on_stderr: OutputHandler = None, collect: bool = True):
+        self.on_stdout, self.on_stderr, self.collect = on_stdout, on_stderr, collect
+        self.stdout, self.stderr = bytearray(), bytearray()
+        self.pid: Optional[int] = None
+        self.tag: Optional[str] = None
+        self.exit = None
+
+    def feed(self, ev: ProcessEvent) -> None:
+        if ev.type == "start":
+            self.pid, self.tag = ev.pid, ev.tag
+        elif ev.type in ("stdout", "pty"):
+            if self.collect:
+                self.stdout += ev.data
+            if self.on_stdout:
+                self.on_stdout(ev.text)
+        elif ev.type == "stderr":
+            if self.collect:
+                self.stderr += ev.data
+            if self.on_stderr:
+                self.on_stderr(ev.text)
+        elif ev.type == "exit":
+            self.exit = ev.exit
+
+    def result(self) -> CommandResult:
+        ex = self.exit
+        res = CommandResult(stdout=self.stdout.decode("utf-8", "replace"),
+                            stderr=self.stderr.decode("utf-8", "replace"),
+                            exit_code=ex.exit_code if ex else None, signal=ex.signal if ex else None,
+                            timed_out=ex.timed_out if ex else False,
+                            error=ex.error if ex else "the event stream ended before the process exited")
+        return res
+
+
+def check_result(res: CommandResult) -> CommandResult:
+    """E2B-style: raise when the command did not succeed; the result stays on the exception."""
+    if res.timed_out:
+        raise CommandTimeoutError(res)
+    if not res.ok:
+        raise CommandExitException(res)
+    return res
+
+
+def code_body(code: str, language, context, timeout, envs) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"code": code}
+    context_id = getattr(context, "id", context)  # a context object or its id
+    for k, v in (("language", language), ("context_id", context_id), ("timeout", timeout)):
+        if v is not None:
+            body[k] = v
+    if envs:
+        body["env"] = dict(envs)
+    return body
+
+
+class ExecutionCollector:
+    """Builds an :class:`Execution` from the ``/code`` NDJSON events, firing callbacks as they come."""
+
+    def __init__(self, on_stdout=None, on_stderr=None, on_result=None, on_error=None):
+        self.on_stdout, self.on_stderr, self.on_result, self.on_error = on_stdout, on_stderr, on_result, on_error
+        self.execution = Execution()
+
+    def feed(self, d: Dict[str, Any]) -> None:
+        t, ex = d.get("type"), self.execution
+        if t in ("stdout", "stderr"):
+            text = d.get("text", d.get("data", ""))
+            getattr(ex.logs, t).append(text)
+            cb = self.on_stdout if t == "stdout" else self.on_stderr
+            if cb:
+                cb(text)
+        elif t == "result":
+            r = Result.from_json(d)
+            ex.results.append(r)
+            if self.on_result:
+                self.on_result(r)
+        elif t == "error":
+            ex.error = ExecutionError.from_json(d)
+            if self.on_error:
+                self.on_error(ex.error)
+        elif t in ("end", "execution_count", "start") and d.get("execution_count") is not None:
+            ex.execution_count = d["execution_count"]
+
+
+def signal_name(sig: Any) -> str:
+    """Accepts ``"SIGTERM"``, ``"TERM"``, ``15`` or a :class:`signal.Signals`."""
+    name = getattr(sig, "name", None)
+    return name if name else str(sig)
+
+
+def process_path(sandbox_id: str, pid_or_tag: Union[int, str], action: str = "") -> str:
+    p = f"/v1/sandboxes/{sandbox_id}/processes/{pid_or_tag}"
+    return f"{p}/{action}" if action else p
+
+
+def stdin_bytes(data: Union[str, bytes]) -> bytes:
+    return data.encode() if isinstance(data, str) else bytes(data)
+
+
+DEFAULT_PTY_CMD = ["/bin/bash", "-i", "-l"]
+
+
+def pty_body(cols: int, rows: int, cmd, user, cwd, envs, timeout, tag) -> Dict[str, Any]:
+    env = {"TERM": "xterm-256color"}
+    env.update(envs or {})
+    body = start_body(cmd if cmd is not None else DEFAULT_PTY_CMD, background=True, envs=env, cwd=cwd, user=user,
+                      timeout=timeout, stdin=True, tag=tag, pty=(cols, rows))
+    return body
+
+
+def ws_event(text: str) -> Optional[ProcessEvent]:
+    d = parse_line(text)
+    return ProcessEvent.from_json(d) if d else None

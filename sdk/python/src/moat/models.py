@@ -1,0 +1,262 @@
+"""Typed views of moat's API objects (shared by the sync and async clients)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox as the API shows it (``GET /v1/sandboxes/{id}``)."""
+
+    sandbox_id: str
+    template: str
+    isolation: str
+    state: str
+    created_at: str
+    expires_at: str
+    metadata: Dict[str, str]
+    env_keys: List[str]
+    cpu: float
+    memory_mb: int
+    hostname: str
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "SandboxInfo":
+        return cls(sandbox_id=d["id"], template=d["template"], isolation=d["isolation"], state=d["state"],
+                   created_at=d["created_at"], expires_at=d["expires_at"], metadata=d.get("metadata") or {},
+                   env_keys=d.get("env_keys") or [], cpu=d.get("cpu", 0.0), memory_mb=d.get("memory_mb", 0),
+                   hostname=d.get("hostname", ""))
+
+    @property
+    def id(self) -> str:
+        return self.sandbox_id
+
+
+@dataclass
+class EntryInfo:
+    """A file, directory or symlink inside a sandbox."""
+
+    name: str
+    path: str
+    type: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+    mode: int
+    permissions: str
+    uid: int
+    gid: int
+    modified: int
+    symlink_target: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "EntryInfo":
+        return cls(name=d["name"], path=d["path"], type=d["type"], size=d["size"], mode=d["mode"],
+                   permissions=d["permissions"], uid=d["uid"], gid=d["gid"], modified=d["modified"],
+                   symlink_target=d.get("symlink_target"))
+
+
+@dataclass
+class WriteEntry:
+    """One file for :meth:`Filesystem.write_files`."""
+
+    path: str
+    data: Any
+    mode: Optional[str] = None
+
+
+@dataclass
+class FilesystemEvent:
+    """An inotify event from ``watch_dir``: ``type`` is create, write, remove, rename or chmod."""
+
+    type: str
+    path: str
+    timestamp_us: int
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "FilesystemEvent":
+        return cls(type=d["type"], path=d["path"], timestamp_us=d.get("timestamp_us", 0))
+
+
+@dataclass
+class ExitStatus:
+    exit_code: Optional[int] = None
+    signal: Optional[str] = None
+    timed_out: bool = False
+    error: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ExitStatus":
+        return cls(exit_code=d.get("exit_code"), signal=d.get("signal"), timed_out=bool(d.get("timed_out")),
+                   error=d.get("error"))
+
+
+@dataclass
+class ProcessInfo:
+    """A process as ``commands.list()`` shows it."""
+
+    pid: int
+    tag: Optional[str]
+    cmd: List[str]
+    cwd: str
+    user: str
+    pty: bool
+    stdin_open: bool
+    running: bool
+    exit: Optional[ExitStatus]
+    started_at_us: int
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ProcessInfo":
+        return cls(pid=d["pid"], tag=d.get("tag"), cmd=d.get("cmd") or [], cwd=d.get("cwd", ""),
+                   user=d.get("user", ""), pty=bool(d.get("pty")), stdin_open=bool(d.get("stdin_open")),
+                   running=bool(d.get("running")), exit=ExitStatus.from_json(d["exit"]) if d.get("exit") else None,
+                   started_at_us=d.get("started_at_us", 0))
+
+
+@dataclass
+class ProcessEvent:
+    """One event of a process stream.
+
+    ``type`` is ``start`` (``pid``, ``tag``), ``stdout``/``stderr``/``pty`` (``data`` bytes, ``text``),
+    ``dropped`` (``dropped_bytes`` lost before this reader attached) or ``exit`` (``exit``).
+    """
+
+    type: str
+    data: bytes = b""
+    pid: Optional[int] = None
+    tag: Optional[str] = None
+    dropped_bytes: int = 0
+    exit: Optional[ExitStatus] = None
+    timestamp_us: int = 0
+    _text: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def text(self) -> str:
+        """The output as text (undecodable bytes replaced)."""
+        return self._text if self._text is not None else self.data.decode("utf-8", "replace")
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ProcessEvent":
+        t = d.get("type", "")
+        if t in ("stdout", "stderr", "pty"):
+            if d.get("data") is not None:
+                text = d["data"]
+                return cls(type=t, data=text.encode(), _text=text, timestamp_us=d.get("timestamp_us", 0))
+            raw = base64.b64decode(d.get("data_b64") or "")
+            return cls(type=t, data=raw, timestamp_us=d.get("timestamp_us", 0))
+        if t == "start":
+            return cls(type=t, pid=d.get("pid"), tag=d.get("tag"))
+        if t == "dropped":
+            return cls(type=t, dropped_bytes=d.get("bytes", 0))
+        if t == "exit":
+            return cls(type=t, exit=ExitStatus.from_json(d))
+        return cls(type=t)
+
+
+@dataclass
+class CommandResult:
+    """How a command ended, with its collected output."""
+
+    stdout: str
+    stderr: str
+    exit_code: Optional[int]
+    signal: Optional[str] = None
+    timed_out: bool = False
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.signal and not self.error and not self.timed_out
+
+
+@dataclass
+class TemplateInfo:
+    name: str
+    source: str
+    status: str
+    size_bytes: int
+    created_at: str
+    error: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "TemplateInfo":
+        return cls(name=d["name"], source=d["source"], status=d["status"], size_bytes=d.get("size_bytes", 0),
+                   created_at=d.get("created_at", ""), error=d.get("error"))
+
+
+# --- code interpreter -------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    """One rich result of ``run_code`` (a displayed value or the cell's final expression)."""
+
+    text: Optional[str] = None
+    html: Optional[str] = None
+    markdown: Optional[str] = None
+    png: Optional[str] = None
+    svg: Optional[str] = None
+    jpeg: Optional[str] = None
+    latex: Optional[str] = None
+    json: Optional[Any] = None
+    is_main_result: bool = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Result":
+        known = ("text", "html", "markdown", "png", "svg", "jpeg", "latex", "json", "is_main_result", "type")
+        return cls(text=d.get("text"), html=d.get("html"), markdown=d.get("markdown"), png=d.get("png"),
+                   svg=d.get("svg"), jpeg=d.get("jpeg"), latex=d.get("latex"), json=d.get("json"), is_main_result=bool(d.get("is_main_result")),
+                   extra={k: v for k, v in d.items() if k not in known})
+
+
+@dataclass
+class Context:
+    """A code interpreter context (one kernel; state persists between its cells)."""
+
+    id: str
+    language: str
+    cwd: str
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Context":
+        return cls(id=d["id"], language=d.get("language", ""), cwd=d.get("cwd", ""))
+
+
+@dataclass
+class Logs:
+    stdout: List[str] = field(default_factory=list)
+    stderr: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ExecutionError:
+    name: str
+    value: str
+    traceback: str
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ExecutionError":
+        tb = d.get("traceback", "")
+        if isinstance(tb, list):
+            tb = "\n".join(tb)
+        return cls(name=d.get("name", ""), value=d.get("value", ""), traceback=tb)
+
+
+@dataclass
+class Execution:
+    """What ``run_code`` returns: results, logs, the error if the code raised, the execution counter."""
+
+    results: List[Result] = field(default_factory=list)
+    logs: Logs = field(default_factory=Logs)
+    error: Optional[ExecutionError] = None
+    execution_count: Optional[int] = None
+
+    @property
+    def text(self) -> Optional[str]:
+        """Text of the main result (the cell's last expression), if any."""
+        for r in self.results:
+            if r.is_main_result:
+                return r.text
+        return None
