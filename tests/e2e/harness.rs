@@ -215,29 +215,7 @@ pub fn shared() -> &'static Daemon {
             .unwrap_or_else(|_| workspace_root().join("target/moat-e2e"));
         let d = Daemon::start_shared(&dir);
         let client = d.client();
-        // On a thread of its own: the first caller may be inside a test's runtime.
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let mut events = client
-                    .build_template("base")
-                    .await
-                    .expect("build base template");
-                let mut last = None;
-                while let Some(ev) = events.next().await {
-                    last = Some(ev.expect("build event"));
-                }
-                match last {
-                    Some(moat_api::BuildEvent::Done { .. }) => {}
-                    other => panic!("base template build did not finish: {other:?}"),
-                }
-            })
-        })
-        .join()
-        .expect("base template build");
+        ensure_template(client, "base");
         d
     })
 }
@@ -565,35 +543,38 @@ pub fn next_uid_base() -> String {
 pub fn code_interpreter() -> &'static Daemon {
     static BUILT: OnceLock<()> = OnceLock::new();
     let d = shared();
-    BUILT.get_or_init(|| {
-        let client = d.client();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                if let Ok(t) = client.get_template("code-interpreter").await {
-                    if t.status == moat_api::TemplateStatus::Ready {
-                        return;
-                    }
-                }
-                let mut events = client
-                    .build_template("code-interpreter")
-                    .await
-                    .expect("build code-interpreter template");
-                let mut last = None;
-                while let Some(ev) = events.next().await {
-                    last = Some(ev.expect("build event"));
-                }
-                match last {
-                    Some(moat_api::BuildEvent::Done { .. }) => {}
-                    other => panic!("code-interpreter template build did not finish: {other:?}"),
-                }
-            })
-        })
-        .join()
-        .expect("code-interpreter template build");
-    });
+    BUILT.get_or_init(|| ensure_template(d.client(), "code-interpreter"));
     d
+}
+
+/// Builds template `name` unless it is ready. On a thread of its own: the first caller may be inside
+/// a test's runtime.
+fn ensure_template(client: Client, name: &'static str) {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            if let Ok(t) = client.get_template(name).await {
+                if t.status == moat_api::TemplateStatus::Ready {
+                    return;
+                }
+            }
+            let mut events = client
+                .build_template(name)
+                .await
+                .unwrap_or_else(|e| panic!("build template {name}: {e}"));
+            let mut last = None;
+            while let Some(ev) = events.next().await {
+                last = Some(ev.expect("build event"));
+            }
+            match last {
+                Some(moat_api::BuildEvent::Done { .. }) => {}
+                other => panic!("template {name} build did not finish: {other:?}"),
+            }
+        })
+    })
+    .join()
+    .unwrap_or_else(|_| panic!("template {name} build"));
 }
