@@ -37,6 +37,20 @@ async fn sandbox_is_isolated_from_host() {
         "host has {host_procs} processes"
     );
 
+    // Nothing of the sandbox appears in the host's mount table as a cgroup mount (other container
+    // runtimes on the host parse those lines; runsc refuses to start when it meets one).
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let cgroup_lines: Vec<&str> = mountinfo
+        .lines()
+        .filter(|l| {
+            l.contains(&s.id)
+                && l.split(" - ")
+                    .nth(1)
+                    .is_some_and(|f| f.starts_with("cgroup"))
+        })
+        .collect();
+    assert!(cgroup_lines.is_empty(), "{cgroup_lines:?}");
+
     // Its own hostname.
     let out = sh(&c, &s.id, "hostname").await;
     assert_eq!(out.stdout.trim(), s.hostname);

@@ -137,43 +137,6 @@ pub fn tmpfs_options(size_mb: u64, inodes: u64, owner: u32) -> String {
     format!("size={size_mb}m,nr_inodes={inodes},mode=1777,uid={owner},gid={owner}")
 }
 
-/// Bind-mounts the file `src` read-only (nosuid, nodev, noexec) at `target`, creating `target` and its
-/// parents when missing.
-pub fn bind_file_readonly(src: &Path, root: &Path, rel: &str) -> Result<()> {
-    let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-    let target = mkdir_no_symlinks(root, dir)?.join(name);
-    match std::fs::symlink_metadata(&target) {
-        Ok(m) if m.is_file() => {}
-        Ok(_) => bail!("{} is not a regular file", target.display()),
-        Err(_) => {
-            std::fs::File::create(&target)
-                .with_context(|| format!("create {}", target.display()))?;
-        }
-    }
-    let target = target.as_path();
-    mount(
-        Some(src),
-        target,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .with_context(|| format!("bind {} at {}", src.display(), target.display()))?;
-    mount(
-        None::<&str>,
-        target,
-        None::<&str>,
-        MsFlags::MS_REMOUNT
-            | MsFlags::MS_BIND
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV
-            | MsFlags::MS_NOEXEC,
-        None::<&str>,
-    )
-    .with_context(|| format!("remount {} read-only", target.display()))
-}
-
 /// Makes the directory `root/rel` (like `mkdir -p`), refusing to follow a symlink at any step: `root`
 /// is a sandbox's root filesystem, whose links point wherever its template says.
 pub fn mkdir_no_symlinks(root: &Path, rel: &str) -> Result<PathBuf> {

@@ -37,10 +37,17 @@ pub const DIR_FD: i32 = 5;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InitConfig {
+    /// The overlay root, relative to the sandbox directory.
     pub rootfs: PathBuf,
     pub hostname: String,
+    /// The agent binary, relative to the sandbox directory.
     pub agent: PathBuf,
     pub env: BTreeMap<String, String>,
+    /// Host path of the sandbox's own OOM-kill counter (a cgroup file), shown read-only to the agent at
+    /// `/run/moat/memory.events`. Bound inside the sandbox's mount namespace, so the host's mount table
+    /// never lists a cgroup file mount (other container runtimes parse it).
+    #[serde(default)]
+    pub oom_counter: Option<PathBuf>,
 }
 
 /// Entry point of the helper. Returns the exit code.
@@ -184,6 +191,21 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
             Some("size=4k"),
         )
         .context("mount /sys")?;
+    }
+    if let Some(src) = &cfg.oom_counter {
+        let target = crate::host::mount::mkdir_no_symlinks(root, "run/moat")?.join("memory.events");
+        if !target.is_file() {
+            std::fs::File::create(&target).context("create the OOM counter mount point")?;
+        }
+        mount(
+            Some(src),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .context("bind the OOM counter")?;
+        remount_readonly(&target, src)?;
     }
     mask_paths(root)?;
     setup_dev(root, &cfg.agent)?;

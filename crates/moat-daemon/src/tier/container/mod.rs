@@ -7,9 +7,9 @@
 //! overlay), `agent.sock` (the agent's listening socket; only the daemon can reach this path). With a
 //! disk quota (`disk_mb` > 0) the writable layer is `disk/upper` + `disk/work` on `disk`, an ext4 image
 //! (`disk.img`) on a loop device (see `host::diskimage`). A /tmp quota (`tmp_mb` > 0) is a tmpfs mounted
-//! at `rootfs/tmp`; the sandbox's OOM counter file is bind-mounted read-only at
-//! `rootfs/run/moat/memory.events` (both before the sandbox's mount namespace is made, so it inherits
-//! them locked).
+//! at `rootfs/tmp` (before the sandbox's mount namespace is made, so it inherits it locked); the
+//! sandbox's OOM counter file is bind-mounted read-only at `/run/moat/memory.events` by the sandbox's
+//! init, inside its own mount namespace.
 
 pub mod init;
 
@@ -165,6 +165,7 @@ impl ContainerTier {
             hostname: spec.hostname.clone(),
             agent: Path::new("../../bin").join(agent_name),
             env: spec.env.clone(),
+            oom_counter: self.cgroups.oom_counter_file(&spec.id),
         };
         let dir_fd: OwnedFd = std::fs::File::open(&dir)
             .with_context(|| format!("open {}", dir.display()))?
@@ -250,10 +251,6 @@ impl ContainerTier {
                 (spec.limits.tmp_mb * 256).max(1024),
                 host_uid,
             )?;
-        }
-        if let Some(counter) = self.cgroups.oom_counter_file(&spec.id) {
-            mount::bind_file_readonly(&counter, &rootfs, OOM_COUNTER_INSIDE)
-                .context("show the OOM counter to the agent")?;
         }
         self.cgroups.add_process(&spec.id, helper)?;
         sync.write_all(b"G").context("release init helper")?;
