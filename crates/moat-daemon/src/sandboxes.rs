@@ -882,6 +882,24 @@ impl Sandboxes {
                 tracing::warn!(leftover = %name, "swept");
             }
         }
+        self.trim_pool().await
+    }
+
+    /// Removes pooled sandboxes this configuration would not keep: of another template than the
+    /// default, or more than `pool_size` (e.g. after a restart with a smaller pool, or none).
+    async fn trim_pool(&self) -> Result<()> {
+        let mut kept = 0u32;
+        for rec in self.db.list_sandboxes()? {
+            if !rec.pooled {
+                continue;
+            }
+            if rec.template == self.args.default_template && kept < self.args.pool_size {
+                kept += 1;
+                continue;
+            }
+            tracing::info!(sandbox = %rec.id, "removing a pooled sandbox the configuration does not keep");
+            self.destroy(rec).await?;
+        }
         Ok(())
     }
 }
