@@ -36,3 +36,9 @@ cargo build --quiet -p moat-cli  # a no-op when cargo test built it already
 python3 -m venv target/pyvenv
 target/pyvenv/bin/pip install --quiet ./sdk/python pytest
 MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q sdk/python/tests
+
+echo "== mcp"
+# moat's MCP server over stdio (`moat mcp`) and streamable HTTP (`/mcp`), driven by the official MCP
+# Python SDK; the tests start their own daemon (uid base 3900000000) like the SDK tests do.
+target/pyvenv/bin/pip install --quiet mcp pytest httpx
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q tests/mcp

@@ -4,6 +4,7 @@
 //! a change of the public API. The agent speaks the same per-sandbox types over the host↔agent channel,
 //! which is why process and file types live here and not in the daemon.
 
+pub mod audit;
 pub mod code;
 pub mod error;
 pub mod files;
@@ -11,6 +12,7 @@ pub mod process;
 pub mod sandbox;
 pub mod template;
 
+pub use audit::*;
 pub use code::*;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use files::*;

@@ -85,6 +85,11 @@ pub enum Command {
     Template(TemplateCommand),
     /// Run code in a sandbox's code interpreter (state persists between calls in a context).
     Code(crate::code::CodeArgs),
+    /// Show the audit log (API actions and commands), oldest first; --json prints JSON lines.
+    Audit(crate::audit::AuditArgs),
+    /// Serve MCP (Model Context Protocol) over stdin/stdout: sandbox tools for AI agents and MCP
+    /// clients such as Claude Desktop. The tools act on the daemon at --url with --api-key.
+    Mcp,
 }
 
 #[derive(Debug, Clone, Args)]

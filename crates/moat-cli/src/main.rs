@@ -1,5 +1,6 @@
 //! `moat`: the command-line interface of the moat sandbox daemon.
 
+mod audit;
 mod cli;
 mod code;
 mod cp;
@@ -103,6 +104,8 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Cp { src, dst } => cp::cp(&client, &src, &dst).await,
         Command::Template(cmd) => template::dispatch(&client, cmd, json).await,
         Command::Code(args) => code::run(&client, &args, json).await,
+        Command::Audit(args) => audit::run(&client, &args, json).await,
+        Command::Mcp => moat_mcp::serve_stdio(client).await.map(|()| 0),
     }
 }
 

@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+mod audit;
 mod code;
 mod error;
 mod files;

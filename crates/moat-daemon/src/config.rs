@@ -70,6 +70,12 @@ pub struct ServeArgs {
     /// Largest request body accepted by JSON endpoints, in bytes (file uploads stream and are unlimited).
     #[arg(long, env = "MOAT_MAX_JSON_BODY", default_value_t = 1 << 20)]
     pub max_json_body: usize,
+    /// Audit log entries older than this many days are deleted (at start and hourly); 0: kept for ever.
+    #[arg(long, env = "MOAT_AUDIT_RETENTION_DAYS", default_value_t = 30)]
+    pub audit_retention_days: u64,
+    /// The audit log keeps at most this many entries (the oldest go first); 0: no cap.
+    #[arg(long, env = "MOAT_AUDIT_MAX_ENTRIES", default_value_t = 1_000_000)]
+    pub audit_max_entries: u64,
 }
 
 impl ServeArgs {

@@ -40,6 +40,18 @@ const MIGRATIONS: &[&str] = &[
     // 3: resource limits beyond cpu/memory (JSON of moat_api::SandboxLimits) and the idle timeout's clock.
     "ALTER TABLE sandboxes ADD COLUMN limits TEXT NOT NULL DEFAULT '{}';
     ALTER TABLE sandboxes ADD COLUMN last_active_ms INTEGER NOT NULL DEFAULT 0;",
+    // 4: the audit log (see audit.rs); it outlives sandboxes, so no foreign key.
+    "CREATE TABLE audit (
+        id INTEGER PRIMARY KEY,
+        at_ms INTEGER NOT NULL,
+        actor TEXT NOT NULL,
+        action TEXT NOT NULL,
+        sandbox_id TEXT,
+        status INTEGER,
+        detail TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX audit_at ON audit (at_ms);
+    CREATE INDEX audit_sandbox ON audit (sandbox_id, at_ms);",
 ];
 
 /// A sandbox row.
@@ -184,6 +196,18 @@ impl Db {
             .lock()
             .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
         f(&conn).map_err(Into::into)
+    }
+
+    /// Runs `f` on the connection (for modules that keep their own tables, such as `audit`).
+    pub fn with_conn<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
+    ) -> Result<T> {
+        let mut conn = self
+            .conn
+            .lock()
+            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        f(&mut conn).map_err(Into::into)
     }
 
     /// Inserts a new sandbox, choosing the lowest free uid slot below `max_slots`.

@@ -41,8 +41,22 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = http::StatusCode::from_u16(self.0.error.code.status())
             .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(self.0)).into_response()
+        let note = ErrorNote {
+            message: self.0.error.message.clone(),
+            field: self.0.error.field.clone(),
+        };
+        let mut r = (status, axum::Json(self.0)).into_response();
+        r.extensions_mut().insert(note);
+        r
     }
+}
+
+/// An error answer's message and field, kept on the response for the audit log (which never reads
+/// response bodies).
+#[derive(Debug, Clone)]
+pub struct ErrorNote {
+    pub message: String,
+    pub field: Option<String>,
 }
 
 /// Turns a serde error (with its path) into a 400 naming the field.

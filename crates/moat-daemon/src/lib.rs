@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod audit;
 pub mod code;
 pub mod config;
 pub mod db;
@@ -56,16 +57,27 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
     let sandboxes = Arc::new(sandboxes::Sandboxes::new(
         args.clone(),
-        db,
+        db.clone(),
         templates,
         tiers,
     ));
     sandboxes.recover().await.context("recover sandboxes")?;
+    let audit = audit::Audit::start(db);
+    tokio::spawn(
+        audit
+            .clone()
+            .retention_loop(args.audit_retention_days, args.audit_max_entries),
+    );
+    tokio::spawn(audit.clone().poll_loop(sandboxes.clone()));
     tokio::spawn(sandboxes.clone().expire_loop(Duration::from_millis(500)));
     tokio::spawn(sandboxes.clone().pool_loop());
 
-    let state = Arc::new(api::AppState { sandboxes, api_key });
-    let app = api::router(state);
+    let state = Arc::new(api::AppState {
+        sandboxes,
+        api_key,
+        audit: audit.clone(),
+    });
+    let app = api::router(state.clone()).merge(api::mcp::routes(state, args.listen)?);
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
@@ -94,6 +106,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     axum::serve(tcp, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    audit.flush().await;
     tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
     Ok(())
 }

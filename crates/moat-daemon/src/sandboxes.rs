@@ -719,6 +719,22 @@ impl Sandboxes {
     /// The agent connection of a running sandbox.
     pub async fn agent(&self, id: &str) -> ApiResult<Arc<AgentClient>> {
         let rec = self.record(id)?;
+        self.agent_of(rec).await
+    }
+
+    /// The agent connection of a running sandbox, without counting as activity (for the daemon's own
+    /// polling, which must not keep a sandbox from its idle timeout).
+    pub async fn agent_untouched(&self, id: &str) -> ApiResult<Arc<AgentClient>> {
+        let rec = self
+            .db
+            .get_sandbox(id)?
+            .filter(|r| !r.pooled)
+            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))?;
+        self.agent_of(rec).await
+    }
+
+    async fn agent_of(&self, rec: SandboxRecord) -> ApiResult<Arc<AgentClient>> {
+        let id = rec.id.as_str();
         if rec.state != SandboxState::Running {
             return Err(ApiError::conflict(format!(
                 "sandbox {id} is {}",

@@ -1,6 +1,8 @@
 //! The REST API: routing, API-key auth, the OpenAPI document and the error fallbacks.
 
+mod audit;
 mod code;
+pub mod mcp;
 mod proxy;
 mod sandboxes;
 mod templates;
@@ -8,7 +10,7 @@ mod ws;
 
 use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -22,7 +24,13 @@ use crate::sandboxes::Sandboxes;
 pub struct AppState {
     pub sandboxes: Arc<Sandboxes>,
     pub api_key: String,
+    pub audit: Arc<crate::audit::Audit>,
 }
+
+/// Set on a response by a handler whose path has no sandbox id but that concerns one (create), so the
+/// audit log files the request under it.
+#[derive(Debug, Clone)]
+pub struct AuditSandbox(pub String);
 
 pub type St = State<Arc<AppState>>;
 
@@ -40,6 +48,7 @@ pub type St = State<Arc<AppState>>;
         ws::process_ws,
         templates::list, templates::get, templates::register, templates::build, templates::delete,
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
+        audit::list, audit::for_sandbox,
     ),
     components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent, moat_api::CodeEvent)),
     modifiers(&BearerAuth),
@@ -49,6 +58,7 @@ pub type St = State<Arc<AppState>>;
         (name = "files", description = "The sandbox's filesystem"),
         (name = "templates", description = "Root filesystems sandboxes start from"),
         (name = "code", description = "Stateful code execution with rich results (code interpreter)"),
+        (name = "audit", description = "The audit log of API actions and commands"),
     )
 )]
 pub struct ApiDoc;
@@ -149,6 +159,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::get).delete(templates::delete),
         )
         .route("/v1/templates/{name}/build", post(templates::build))
+        .route("/v1/audit", get(audit::list))
+        .route("/v1/sandboxes/{id}/audit", get(audit::for_sandbox))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/healthz", get(health))
@@ -159,22 +171,84 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// Checks the API key, then records the request in the audit log once the response head is known
+/// (bodies are never buffered: streams keep streaming).
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
+    let at_ms = crate::sandboxes::now_ms();
+    let template = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    let method = req.method().clone();
+    let mut sandbox_id = path_param(&template, req.uri().path(), "{id}");
+    let query = req.uri().query().map(str::to_string);
     let h = req.headers();
     let given = h
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
-    match given {
-        Some(k) if constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes()) => next.run(req).await,
-        Some(_) => ApiError::new(ErrorCode::Unauthorized, "wrong API key").into_response(),
-        None => ApiError::new(
-            ErrorCode::Unauthorized,
-            "missing API key: send 'Authorization: Bearer <key>' (the key is in the daemon's data dir, file api-key)",
-        )
-        .into_response(),
+    let (actor, resp) = match given {
+        Some(k) if constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes()) => {
+            (crate::audit::key_id(&st.api_key), next.run(req).await)
+        }
+        Some(_) => (
+            crate::audit::ANONYMOUS.to_string(),
+            ApiError::new(ErrorCode::Unauthorized, "wrong API key").into_response(),
+        ),
+        None => (
+            crate::audit::ANONYMOUS.to_string(),
+            ApiError::new(
+                ErrorCode::Unauthorized,
+                "missing API key: send 'Authorization: Bearer <key>' (the key is in the daemon's data dir, file api-key)",
+            )
+            .into_response(),
+        ),
+    };
+    if sandbox_id.is_none() {
+        sandbox_id = resp.extensions().get::<AuditSandbox>().map(|s| s.0.clone());
     }
+    let status = resp.status();
+    if method == http::Method::POST
+        && template == "/v1/sandboxes/{id}/processes"
+        && status.is_success()
+    {
+        if let Some(id) = &sandbox_id {
+            st.audit.watch(id);
+        }
+    }
+    let mut detail = serde_json::Map::new();
+    if let Some(q) = query {
+        detail.insert("query".into(), q.into());
+    }
+    if let Some(n) = resp.extensions().get::<crate::error::ErrorNote>() {
+        detail.insert("error".into(), n.message.clone().into());
+        if let Some(f) = &n.field {
+            detail.insert("field".into(), f.clone().into());
+        }
+    }
+    st.audit
+        .record(crate::audit::NewEntry {
+            at_ms,
+            actor,
+            action: format!("{method} {template}"),
+            sandbox_id,
+            status: Some(i64::from(status.as_u16())),
+            detail: serde_json::Value::Object(detail),
+        })
+        .await;
+    resp
+}
+
+/// The value of `name` (e.g. `{id}`) in `path` matched by the route `template`.
+fn path_param(template: &str, path: &str, name: &str) -> Option<String> {
+    template
+        .split('/')
+        .zip(path.split('/'))
+        .find(|(t, _)| *t == name)
+        .map(|(_, v)| v.to_string())
+        .filter(|v| !v.is_empty())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -238,10 +312,26 @@ mod tests {
             "/v1/templates/{name}/build",
             "/v1/sandboxes/{id}/code",
             "/v1/sandboxes/{id}/code/contexts/{context}/restart",
+            "/v1/audit",
+            "/v1/sandboxes/{id}/audit",
         ] {
             assert!(paths.contains_key(p), "missing {p}");
         }
         assert!(doc["components"]["schemas"]["CreateSandboxRequest"].is_object());
+    }
+
+    #[test]
+    fn path_params() {
+        assert_eq!(
+            path_param(
+                "/v1/sandboxes/{id}/processes",
+                "/v1/sandboxes/abc/processes",
+                "{id}"
+            )
+            .as_deref(),
+            Some("abc")
+        );
+        assert_eq!(path_param("/v1/sandboxes", "/v1/sandboxes", "{id}"), None);
     }
 
     #[test]

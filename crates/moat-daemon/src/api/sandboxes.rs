@@ -20,9 +20,14 @@ use crate::sandboxes::ListFilter;
 pub async fn create(
     State(st): St,
     JsonBody(req): JsonBody<CreateSandboxRequest>,
-) -> ApiResult<(StatusCode, Json<Sandbox>)> {
+) -> ApiResult<(
+    StatusCode,
+    axum::Extension<super::AuditSandbox>,
+    Json<Sandbox>,
+)> {
     let sbx = st.sandboxes.create(req).await?;
-    Ok((StatusCode::CREATED, Json(sbx)))
+    let note = axum::Extension(super::AuditSandbox(sbx.id.clone()));
+    Ok((StatusCode::CREATED, note, Json(sbx)))
 }
 
 /// List sandboxes, optionally filtered by state and metadata labels.
@@ -74,6 +79,10 @@ pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Sandbo
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 204), (status = 404, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
 pub async fn delete(State(st): St, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    // The audit log's last look at the sandbox's commands before they go.
+    if st.sandboxes.get(&id).is_ok() {
+        st.audit.poll(&st.sandboxes, &id, true).await;
+    }
     st.sandboxes.delete(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
