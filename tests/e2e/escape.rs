@@ -57,6 +57,9 @@ struct Case {
     memory_mb: Option<u64>,
     #[serde(default)]
     cpu: Option<f64>,
+    /// Writable-layer quota of the attack sandbox (resource cases).
+    #[serde(default)]
+    disk_mb: Option<u64>,
     #[serde(default)]
     tier_todo: Option<String>,
     #[serde(default)]
@@ -251,6 +254,7 @@ async fn run_resource(
             template: Some("base".into()),
             timeout: Some(600),
             memory_mb: case.memory_mb,
+            disk_mb: case.disk_mb,
             // Half a core unless the case says otherwise: the host (2 cores in CI) must keep room for
             // the neighbour and the daemon, which is what these cases check.
             cpu: case.cpu.or(Some(0.5)),

@@ -10,6 +10,7 @@ mod code;
 mod commands;
 mod escape;
 mod files;
+mod hardening;
 mod isolation;
 mod lifecycle;
 mod limits;

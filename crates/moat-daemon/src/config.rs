@@ -67,6 +67,11 @@ pub struct ServeArgs {
     /// fits takes one instead of starting from nothing. 0 turns the pool off.
     #[arg(long, env = "MOAT_POOL_SIZE", default_value_t = 2)]
     pub pool_size: u32,
+    /// Start sandboxes WITHOUT the capability drop, seccomp filter and /proc and /sys masks (the user
+    /// namespace, cgroups and the rest stay). Only for measuring what hardening costs (bench/); never
+    /// for untrusted code.
+    #[arg(long, env = "MOAT_NO_HARDENING")]
+    pub no_hardening: bool,
     /// Largest request body accepted by JSON endpoints, in bytes (file uploads stream and are unlimited).
     #[arg(long, env = "MOAT_MAX_JSON_BODY", default_value_t = 1 << 20)]
     pub max_json_body: usize,

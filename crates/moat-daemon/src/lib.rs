@@ -53,7 +53,14 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         agent,
         args.uid_base,
         &host::cgroup::parent_for(&args.data_dir),
+        !args.no_hardening,
     )?;
+    if args.no_hardening {
+        tracing::warn!(
+            "--no-hardening: sandboxes start without the capability drop, seccomp and /proc masks; \
+             use it only to measure what hardening costs"
+        );
+    }
     let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
     let sandboxes = Arc::new(sandboxes::Sandboxes::new(
         args.clone(),

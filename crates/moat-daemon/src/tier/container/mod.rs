@@ -66,6 +66,8 @@ pub struct ContainerTier {
     /// The `moat` binary, re-executed as the init helper.
     self_exe: PathBuf,
     uid_base: u32,
+    /// Capability drop, seccomp and masked /proc paths (off only with `--no-hardening`).
+    harden: bool,
 }
 
 impl ContainerTier {
@@ -74,6 +76,7 @@ impl ContainerTier {
         agent: PathBuf,
         uid_base: u32,
         cgroup_parent: &str,
+        harden: bool,
     ) -> Result<ContainerTier> {
         std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
         // 0711: the sandbox init (host uid of its range, not root) must traverse it to reach its rootfs;
@@ -89,6 +92,7 @@ impl ContainerTier {
             agent,
             self_exe,
             uid_base,
+            harden,
         })
     }
 
@@ -166,6 +170,7 @@ impl ContainerTier {
             agent: Path::new("../../bin").join(agent_name),
             env: spec.env.clone(),
             oom_counter: self.cgroups.oom_counter_file(&spec.id),
+            harden: self.harden,
         };
         let dir_fd: OwnedFd = std::fs::File::open(&dir)
             .with_context(|| format!("open {}", dir.display()))?
@@ -474,6 +479,7 @@ impl ContainerTier {
             agent: self.agent.clone(),
             self_exe: self.self_exe.clone(),
             uid_base: self.uid_base,
+            harden: self.harden,
         }
     }
 }

@@ -1,0 +1,54 @@
+//! Hardening is on by default; `--no-hardening` (kept for measuring its cost) really turns it off.
+
+use moat_api::{CreateSandboxRequest, RegisterTemplateRequest};
+
+use crate::harness::*;
+
+fn status_field(status: &str, key: &str) -> String {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hardening_on_by_default_and_off_only_when_asked() {
+    let c = shared_client();
+    let s = create(&c, "base").await;
+    let st = sh(&c, &s.id, "cat /proc/self/status").await.stdout;
+    assert_eq!(status_field(&st, "Seccomp:"), "2");
+    assert_eq!(status_field(&st, "NoNewPrivs:"), "1");
+    assert_eq!(status_field(&st, "CapBnd:"), "00000000a00405fb");
+    c.delete_sandbox(&s.id).await.unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let d = Daemon::start_with(
+        &tmp.path().join("data"),
+        &["--no-hardening", "--pool-size", "0"],
+    );
+    let c = d.client();
+    c.register_template(&RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
+    let s = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("bb".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let st = sh(&c, &s.id, "cat /proc/self/status").await.stdout;
+    assert_eq!(status_field(&st, "Seccomp:"), "0", "{st}");
+    assert_ne!(status_field(&st, "CapBnd:"), "00000000a00405fb");
+    // Still confined by its own user namespace: root inside is not root outside.
+    let facts = host_facts(&s.id);
+    assert!(facts.host_uid >= 100_000);
+    c.delete_sandbox(&s.id).await.unwrap();
+    assert_no_leaks(&facts, &d.data_dir);
+    d.stop();
+}
