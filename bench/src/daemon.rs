@@ -28,6 +28,7 @@ impl Daemon {
         agent: &Path,
         data_dir: &Path,
         wait: Duration,
+        extra: &[&str],
     ) -> Result<(Daemon, Client)> {
         for (what, path) in [("moat binary", moat_bin), ("agent", agent)] {
             if !path.is_file() {
@@ -52,6 +53,7 @@ impl Daemon {
             .arg(data_dir)
             .arg("--agent")
             .arg(agent)
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(log_err)

@@ -119,14 +119,46 @@ async fn run(args: Args) -> Result<()> {
     let (date, time) = report::utc(started);
 
     let (mut daemon, client) =
-        Daemon::start(&moat_bin, &agent, &data_dir, Duration::from_secs(30)).await?;
+        Daemon::start(&moat_bin, &agent, &data_dir, Duration::from_secs(30), &[]).await?;
     eprintln!("daemon: {} (data dir {})", daemon.url, data_dir.display());
+    // A second daemon that starts sandboxes without the capability drop, seccomp and /proc masks, to
+    // measure what hardening costs in the same run. Its own uid range and no pool.
+    let unhardened_dir = data_dir.with_file_name(format!(
+        "{}-unhardened",
+        data_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("moat-bench")
+    ));
+    let (mut daemon_u, client_u) = Daemon::start(
+        &moat_bin,
+        &agent,
+        &unhardened_dir,
+        Duration::from_secs(30),
+        &[
+            "--no-hardening",
+            "--pool-size",
+            "0",
+            "--uid-base",
+            "2800000000",
+        ],
+    )
+    .await?;
     let mut cleanup = Cleanup::default();
+    let mut cleanup_u = Cleanup::default();
     let result = tokio::select! {
-        r = bench(&client, &daemon, &template_rootfs, runs, &mut cleanup) => r,
+        r = async {
+            let mut results = bench(&client, &daemon, &template_rootfs, runs, &mut cleanup).await?;
+            daemon::ensure_template(&client_u, COLD_TEMPLATE, Some(&template_rootfs)).await?;
+            results.hardening =
+                hardening_cost(&client, &client_u, runs, &mut cleanup, &mut cleanup_u).await?;
+            anyhow::Ok(results)
+        } => r,
         sig = interrupted() => Err(anyhow!("interrupted by {sig}")),
     };
-    let problems = cleanup.finish(&client).await;
+    let mut problems = cleanup.finish(&client).await;
+    problems.extend(cleanup_u.finish(&client_u).await);
+    daemon_u.stop();
     if result.is_err() {
         eprintln!("daemon log (last lines):\n{}", daemon.log_tail());
         if let Some(status) = daemon.exit_status() {
@@ -239,6 +271,7 @@ struct Results {
     machine_moat_version: String,
     cold: Vec<Row>,
     exec: Vec<Row>,
+    hardening: Vec<Row>,
     rootfs: PathBuf,
     wall: Duration,
 }
@@ -285,6 +318,15 @@ impl Results {
              into a running bwrap sandbox.\n\n",
         );
         md.push_str(&report::table(&self.exec, 0));
+        md.push_str("\n## 3. What hardening costs\n\n");
+        md.push_str(
+            "The same cold create (template not pooled) and the same syscall-heavy command \
+             (`dd if=/dev/zero of=/dev/null bs=1 count=200000`: 400,000 read/write syscalls) on a \
+             daemon started with `--no-hardening` (no capability drop, no seccomp filter, no /proc \
+             masks; same namespaces, uid range and cgroups), interleaved with the hardened runs. \
+             Floor: the same `dd` run directly on the host.\n\n",
+        );
+        md.push_str(&report::table(&self.hardening, 0));
         md.push_str(
             "\nIsolation: namespaces, uid mapping, seccomp and cgroup limits marked *measured* \
              were read from `/proc` of a live instance (compared with the bench's own process); \
@@ -333,6 +375,7 @@ async fn bench(
         machine_moat_version: version,
         cold,
         exec,
+        hardening: Vec::new(),
         rootfs,
         wall: t0.elapsed(),
     })
@@ -716,4 +759,87 @@ async fn exec_round_trip(
     }
     delete(client, &sbx.id, cleanup).await?;
     Ok(rows)
+}
+
+const SYSCALL_HEAVY: [&str; 5] = ["dd", "if=/dev/zero", "of=/dev/null", "bs=1", "count=200000"];
+
+/// Scenario 3: cold create and a syscall-heavy command, hardened vs `--no-hardening`, interleaved.
+async fn hardening_cost(
+    hardened: &Client,
+    unhardened: &Client,
+    runs: usize,
+    cleanup: &mut Cleanup,
+    cleanup_u: &mut Cleanup,
+) -> Result<Vec<Row>> {
+    let mut rows = vec![
+        Row::new(
+            "**moat** cold create → exit of `true` (hardened)",
+            "seccomp, capability drop, masks",
+        ),
+        Row::new(
+            "moat cold create → exit of `true` (`--no-hardening`)",
+            "namespaces, uid range, cgroups only",
+        ),
+        Row::new(
+            "**moat** syscall-heavy `dd` (hardened)",
+            "seccomp filter on every syscall",
+        ),
+        Row::new(
+            "moat syscall-heavy `dd` (`--no-hardening`)",
+            "no seccomp filter",
+        ),
+        Row::new("`dd` on the host (floor)", "no sandbox"),
+    ];
+    // The ratio column compares with the hardened create; the `dd` rows compare among themselves.
+    for r in &mut rows[2..] {
+        r.ratio = false;
+    }
+    let sh = create(hardened, COLD_TEMPLATE, cleanup).await?;
+    let su = create(unhardened, COLD_TEMPLATE, cleanup_u).await?;
+    eprintln!("scenario 3: hardening cost, {runs} runs per row (+1 warm-up)");
+    for i in 0..=runs {
+        let timed = i > 0;
+        let (_, h, _) = moat_cold_once(hardened, COLD_TEMPLATE, cleanup).await?;
+        let (_, u, _) = moat_cold_once(unhardened, COLD_TEMPLATE, cleanup_u).await?;
+        let t = Instant::now();
+        run_argv(hardened, &sh.id, &SYSCALL_HEAVY).await?;
+        let dh = t.elapsed();
+        let t = Instant::now();
+        run_argv(unhardened, &su.id, &SYSCALL_HEAVY).await?;
+        let du = t.elapsed();
+        let host: Vec<OsString> = SYSCALL_HEAVY.iter().map(OsString::from).collect();
+        let dhost = peers::time_cmd(&host)?;
+        if timed {
+            rows[0].samples.push(h);
+            rows[1].samples.push(u);
+            rows[2].samples.push(dh);
+            rows[3].samples.push(du);
+            rows[4].samples.push(dhost);
+        }
+        progress(i, runs);
+    }
+    delete(hardened, &sh.id, cleanup).await?;
+    delete(unhardened, &su.id, cleanup_u).await?;
+    Ok(rows)
+}
+
+/// Runs argv in sandbox `id` and waits for its exit; fails unless it exits 0.
+async fn run_argv(client: &Client, id: &str, argv: &[&str]) -> Result<()> {
+    let req = StartProcessRequest {
+        cmd: Some(argv.iter().map(|s| s.to_string()).collect()),
+        ..Default::default()
+    };
+    let mut events = client
+        .start_process_stream(id, &req)
+        .await
+        .context("start the command")?;
+    while let Some(ev) = events.next().await {
+        if let ProcessEvent::Exit(status) = ev.context("read the process events")? {
+            if status.exit_code == Some(0) {
+                return Ok(());
+            }
+            bail!("{argv:?} ended with {status:?}");
+        }
+    }
+    bail!("the event stream ended without an exit event")
 }
