@@ -152,10 +152,9 @@ def test_stdio_without_a_daemon_fails_cleanly(daemon):
 
 
 def test_png_chart(daemon):
-    """Charts come back as MCP image content; needs the code-interpreter template (not built here)."""
-    names = {t["name"] for t in daemon.http.get("/v1/templates").json().get("templates", [])}
-    if "code-interpreter" not in names:
-        pytest.skip("the code-interpreter template is not built in this daemon")
+    """Charts come back as MCP image content (the code-interpreter template: registered from the Rust
+    end-to-end tests' build when it exists, built otherwise)."""
+    daemon.ensure_template("code-interpreter", _sdk_ci_rootfs())
 
     async def go():
         async with session(daemon, "http") as s:
@@ -171,3 +170,9 @@ def test_png_chart(daemon):
             finally:
                 await call(s, "kill_sandbox", sandbox_id=sid)
     run(go())
+
+
+def _sdk_ci_rootfs() -> str:
+    from conftest import _sdk
+
+    return _sdk.CI_ROOTFS

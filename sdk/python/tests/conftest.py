@@ -23,6 +23,10 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 BIN = os.environ.get("MOAT_BIN") or os.path.join(ROOT, "target/debug/moat")
 AGENT = os.environ.get("MOAT_AGENT") or os.path.join(ROOT, "target/x86_64-unknown-linux-gnu/debug/moat-agent")
 BASE_ROOTFS = os.environ.get("MOAT_TEST_BASE_ROOTFS") or os.path.join(ROOT, "target/moat-e2e/templates/base/rootfs")
+# The code-interpreter template (base + numpy, pandas, matplotlib): the Rust end-to-end tests build it
+# in target/moat-e2e first (scripts/test.sh runs them before these); built here when absent.
+CI_ROOTFS = os.environ.get("MOAT_TEST_CODE_INTERPRETER_ROOTFS") or os.path.join(
+    ROOT, "target/moat-e2e/templates/code-interpreter/rootfs")
 UID_BASE = os.environ.get("MOAT_TEST_UID_BASE", "3000000000")
 
 
@@ -81,20 +85,27 @@ class Daemon:
         self._fail("moat serve did not become ready in 60 s")
 
     def _register_base(self) -> None:
-        if os.path.isdir(BASE_ROOTFS):
-            r = self.http.post("/v1/templates", json={"name": "base", "path": BASE_ROOTFS})
-            if r.status_code >= 300:
-                self._fail(f"registering {BASE_ROOTFS}: {r.status_code} {r.text}")
+        self.ensure_template("base", BASE_ROOTFS)
+
+    def ensure_template(self, name: str, prebuilt: str) -> None:
+        """Registers the prebuilt rootfs as template `name`, or builds it (debootstrap) when absent."""
+        r = self.http.get(f"/v1/templates/{name}")
+        if r.status_code == 200 and r.json().get("status") == "ready":
             return
-        last = None  # no prebuilt rootfs (fresh CI machine): build it (~90 s)
-        with self.http.stream("POST", "/v1/templates/base/build") as r:
+        if os.path.isdir(prebuilt):
+            r = self.http.post("/v1/templates", json={"name": name, "path": prebuilt})
             if r.status_code >= 300:
-                self._fail(f"building base: {r.status_code} {r.read()!r}")
+                self._fail(f"registering {prebuilt}: {r.status_code} {r.text}")
+            return
+        last = None  # no prebuilt rootfs (fresh machine): build it (base ~90 s, code-interpreter ~5 min)
+        with self.http.stream("POST", f"/v1/templates/{name}/build", timeout=None) as r:
+            if r.status_code >= 300:
+                self._fail(f"building {name}: {r.status_code} {r.read()!r}")
             for line in r.iter_lines():
                 if line.strip():
                     last = json.loads(line)
         if not last or last.get("type") != "done":
-            self._fail(f"building base failed: {last}")
+            self._fail(f"building {name} failed: {last}")
 
     def stop(self) -> None:
         try:
@@ -136,3 +147,10 @@ def sbx(daemon):
 
     with Sandbox.create(timeout=600) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def code_interpreter(daemon):
+    """The daemon with the `code-interpreter` template ready."""
+    daemon.ensure_template("code-interpreter", CI_ROOTFS)
+    return daemon
