@@ -427,3 +427,26 @@ async fn matplotlib_and_pandas_rich_results() {
     assert!(r.text.as_deref().unwrap_or("").contains('a'), "{r:?}");
     c.delete_sandbox(&s.id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn javascript_context_keeps_state() {
+    let c = code_interpreter().client();
+    let s = create(&c, "code-interpreter").await;
+    let js = |code: &str| RunCodeRequest {
+        code: code.into(),
+        language: Some(CodeLanguage::Javascript),
+        ..Default::default()
+    };
+    let cell = run(&c, &s.id, js("let a = 40; console.log('hello from node')")).await;
+    assert!(cell.errors.is_empty(), "{cell:?}");
+    assert_eq!(cell.stdout, "hello from node\n");
+    let cell = run(&c, &s.id, js("a + 2")).await;
+    assert_eq!(cell.main_text(), Some("42"), "{cell:?}");
+    let cell = run(&c, &s.id, js("nope.x")).await;
+    assert_eq!(cell.errors.len(), 1, "{cell:?}");
+    assert_eq!(cell.errors[0].name, "ReferenceError");
+    // The state survived the error.
+    let cell = run(&c, &s.id, js("a")).await;
+    assert_eq!(cell.main_text(), Some("40"), "{cell:?}");
+    c.delete_sandbox(&s.id).await.unwrap();
+}

@@ -45,8 +45,13 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
 /// Packages some named templates get on top of [`DEFAULT_PACKAGES`]; other names get none.
 pub fn template_packages(name: &str) -> &'static [&'static str] {
     match name {
-        // The code interpreter's rich results: DataFrames and charts.
-        "code-interpreter" => &["python3-numpy", "python3-pandas", "python3-matplotlib"],
+        // The code interpreter: DataFrames and charts for Python, node for JavaScript contexts.
+        "code-interpreter" => &[
+            "python3-numpy",
+            "python3-pandas",
+            "python3-matplotlib",
+            "nodejs",
+        ],
         _ => &[],
     }
 }
