@@ -64,14 +64,15 @@ impl Daemon {
         Daemon::start_with(data_dir, &[])
     }
 
-    /// The daemon most tests share keeps the default uid base; every other one gets its own.
+    /// The daemon most tests share keeps the default uid base; every other one gets its own. No warm
+    /// pool: pooled sandboxes would outlive the test run (pool.rs tests the pool with its own daemon).
     fn start_shared(data_dir: &Path) -> Daemon {
         let port = free_port();
         let d = Daemon {
             url: format!("http://127.0.0.1:{port}"),
             data_dir: data_dir.to_path_buf(),
             port,
-            extra_args: Vec::new(),
+            extra_args: vec!["--pool-size".into(), "0".into()],
             child: Mutex::new(None),
         };
         d.spawn();
