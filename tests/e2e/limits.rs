@@ -249,8 +249,11 @@ async fn fork_bomb_hits_the_pids_limit_and_neighbours_are_fine() {
         .await
         .expect("bomb bounded")
         .unwrap();
+    // EAGAIN at the pids limit: reported by bash inside the bomb, or by the outer shell when the bomb
+    // filled the limit before the shell could fork the rest of its pipeline.
+    let said = format!("{}{}", out.stdout, out.stderr);
     assert!(
-        out.stdout.contains("Resource temporarily unavailable"),
+        said.contains("Resource temporarily unavailable") || said.contains("Cannot fork"),
         "{out:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(30));

@@ -90,6 +90,36 @@ async fn creates_are_served_from_the_warm_pool() {
     let facts = host_facts(&s.id);
     c.delete_sandbox(&s.id).await.unwrap();
     assert_no_leaks(&facts, &d.data_dir);
+    // A clean stop takes the pooled sandboxes (nobody's yet) with it, and the daemon's empty cgroup
+    // parent; the next start refills the pool.
+    d.stop();
+    let left: Vec<_> = std::fs::read_dir(d.data_dir.join("sandboxes"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "pooled sandboxes outlived a clean stop: {left:?}"
+    );
+    let parent = moat_daemon::host::cgroup::parent_for(&d.data_dir);
+    assert!(
+        !std::path::Path::new("/sys/fs/cgroup/pids")
+            .join(&parent)
+            .exists(),
+        "cgroup parent {parent} left"
+    );
+    d.restart();
+    let c = d.client();
+    let mut refilled = false;
+    for _ in 0..200 {
+        if pool_ready(&c).await == 2 {
+            refilled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refilled, "pool did not refill after a restart");
     // Removing the template drains its pool first.
     c.delete_template("bb").await.unwrap();
     assert_eq!(pool_ready(&c).await, 0);

@@ -55,6 +55,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         &host::cgroup::parent_for(&args.data_dir),
         !args.no_hardening,
     )?;
+    let cgroups = container.cgroups().clone();
     if args.no_hardening {
         tracing::warn!(
             "--no-hardening: sandboxes start without the capability drop, seccomp and /proc masks; \
@@ -80,7 +81,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     tokio::spawn(sandboxes.clone().pool_loop());
 
     let state = Arc::new(api::AppState {
-        sandboxes,
+        sandboxes: sandboxes.clone(),
         api_key,
         audit: audit.clone(),
     });
@@ -114,6 +115,14 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     audit.flush().await;
+    // Pooled sandboxes are nobody's: they go with a clean stop (the pool refills at the next start);
+    // a crash leaves them to be re-adopted or trimmed then.
+    if let Err(e) = sandboxes.drain_pool(&args.default_template).await {
+        tracing::warn!("draining the warm pool: {}", e.0);
+    }
+    if cgroups.remove_parent_if_empty() {
+        tracing::debug!("removed the empty cgroup parent");
+    }
     tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
     Ok(())
 }

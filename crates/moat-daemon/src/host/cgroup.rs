@@ -355,6 +355,17 @@ impl CgroupLayout {
         }
     }
 
+    /// Removes this daemon's parent group in every hierarchy when no sandbox group is left in it;
+    /// true when they are all gone.
+    pub fn remove_parent_if_empty(&self) -> bool {
+        if !self.list().is_empty() {
+            return false;
+        }
+        self.parents()
+            .iter()
+            .all(|p| std::fs::remove_dir(p).is_ok() || !p.exists())
+    }
+
     /// Whether any directory of the group exists.
     pub fn exists(&self, name: &str) -> bool {
         self.dirs(name).iter().any(|d| d.exists())
