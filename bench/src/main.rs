@@ -623,23 +623,7 @@ async fn moat_cold_once(
 
 /// Runs `true` in sandbox `id` and waits for its `exit` event; fails unless it exits 0.
 async fn run_true(client: &Client, id: &str) -> Result<()> {
-    let req = StartProcessRequest {
-        cmd: Some(vec!["true".into()]),
-        ..Default::default()
-    };
-    let mut events = client
-        .start_process_stream(id, &req)
-        .await
-        .context("start `true`")?;
-    while let Some(ev) = events.next().await {
-        if let ProcessEvent::Exit(status) = ev.context("read the process events")? {
-            if status.exit_code == Some(0) {
-                return Ok(());
-            }
-            bail!("`true` ended with {status:?}");
-        }
-    }
-    bail!("the event stream ended without an exit event")
+    run_argv(client, id, &["true"]).await
 }
 
 /// Starts `bwrap ... sleep infinity`; returns bwrap and the host pid of the sleep inside.

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use moat_api::{ProcessEvent, PtySize, StartProcessRequest};
-use moat_client::ProcessStart;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::harness::*;
@@ -95,8 +94,8 @@ async fn python_exit_codes_and_signals() {
 async fn background_stdin_signal_and_reattach() {
     let c = shared_client();
     let s = create(&c, "base").await;
-    let info = match c
-        .start_process(
+    let info = c
+        .start_process_background(
             &s.id,
             &StartProcessRequest {
                 command: Some("cat; echo done".into()),
@@ -107,11 +106,7 @@ async fn background_stdin_signal_and_reattach() {
             },
         )
         .await
-        .unwrap()
-    {
-        ProcessStart::Background(i) => i,
-        other => panic!("{other:?}"),
-    };
+        .unwrap();
     assert!(info.running);
     let listed = c.list_processes(&s.id).await.unwrap();
     assert!(listed
@@ -138,8 +133,8 @@ async fn background_stdin_signal_and_reattach() {
     assert_eq!(exit.unwrap().exit_code, Some(0));
 
     // A signal to a background process ends it with that signal.
-    let info = match c
-        .start_process(
+    let info = c
+        .start_process_background(
             &s.id,
             &StartProcessRequest {
                 command: Some("sleep 100".into()),
@@ -148,11 +143,7 @@ async fn background_stdin_signal_and_reattach() {
             },
         )
         .await
-        .unwrap()
-    {
-        ProcessStart::Background(i) => i,
-        other => panic!("{other:?}"),
-    };
+        .unwrap();
     c.signal(&s.id, &info.pid.to_string(), "SIGTERM")
         .await
         .unwrap();
@@ -171,8 +162,8 @@ async fn background_stdin_signal_and_reattach() {
 async fn pty_over_websocket() {
     let c = shared_client();
     let s = create(&c, "base").await;
-    let info = match c
-        .start_process(
+    let info = c
+        .start_process_background(
             &s.id,
             &StartProcessRequest {
                 cmd: Some(vec!["/bin/bash".into(), "--norc".into(), "-i".into()]),
@@ -182,11 +173,7 @@ async fn pty_over_websocket() {
             },
         )
         .await
-        .unwrap()
-    {
-        ProcessStart::Background(i) => i,
-        other => panic!("{other:?}"),
-    };
+        .unwrap();
     assert!(info.pty);
     let mut ws = c.attach_ws(&s.id, &info.pid.to_string()).await.unwrap();
     ws.send(Message::Text(

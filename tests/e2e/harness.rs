@@ -64,32 +64,28 @@ impl Daemon {
         Daemon::start_with(data_dir, &[])
     }
 
+    /// A daemon with extra `moat serve` flags and a host uid range of its own.
+    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
+        let args = ["--uid-base".to_string(), next_uid_base()]
+            .into_iter()
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect();
+        Daemon::launch(data_dir, args)
+    }
+
     /// The daemon most tests share keeps the default uid base; every other one gets its own. No warm
     /// pool: pooled sandboxes would outlive the test run (pool.rs tests the pool with its own daemon).
     fn start_shared(data_dir: &Path) -> Daemon {
-        let port = free_port();
-        let d = Daemon {
-            url: format!("http://127.0.0.1:{port}"),
-            data_dir: data_dir.to_path_buf(),
-            port,
-            extra_args: vec!["--pool-size".into(), "0".into()],
-            child: Mutex::new(None),
-        };
-        d.spawn();
-        d
+        Daemon::launch(data_dir, vec!["--pool-size".into(), "0".into()])
     }
 
-    /// A daemon with extra `moat serve` flags.
-    pub fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
+    fn launch(data_dir: &Path, extra_args: Vec<String>) -> Daemon {
         let port = free_port();
         let d = Daemon {
             url: format!("http://127.0.0.1:{port}"),
             data_dir: data_dir.to_path_buf(),
             port,
-            extra_args: ["--uid-base".to_string(), next_uid_base()]
-                .into_iter()
-                .chain(extra.iter().map(|s| s.to_string()))
-                .collect(),
+            extra_args,
             child: Mutex::new(None),
         };
         d.spawn();

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use moat_api::{CreateSandboxRequest, ProcessEvent, RegisterTemplateRequest, StartProcessRequest};
-use moat_client::ProcessStart;
 
 use crate::harness::*;
 
@@ -47,9 +46,7 @@ async fn sandboxes_survive_daemon_kill9() {
         tag: Some("ticker".into()),
         ..Default::default()
     };
-    let ProcessStart::Background(ticker) = c.start_process(&keep.id, &bg).await.unwrap() else {
-        panic!()
-    };
+    let ticker = c.start_process_background(&keep.id, &bg).await.unwrap();
     let keep_facts = host_facts(&keep.id);
     let short_facts = host_facts(&short.id);
 

@@ -176,3 +176,63 @@ impl AgentClient {
         Err(last.context(format!("agent of {} not ready after {timeout:?}", self.id)))
     }
 }
+
+/// The bytes of an output chunk (`data` as UTF-8, or `data_b64` decoded).
+pub fn chunk_bytes(c: &moat_api::OutputChunk) -> Vec<u8> {
+    use base64::Engine;
+    match (&c.data, &c.data_b64) {
+        (Some(d), _) => d.as_bytes().to_vec(),
+        (None, Some(b)) => base64::engine::general_purpose::STANDARD
+            .decode(b)
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}
+
+/// Longest NDJSON line accepted from an agent: a bound on what a hostile agent can make the daemon
+/// hold while it waits for a newline.
+pub const MAX_EVENT_LINE: usize = 16 << 20;
+
+/// Splits an agent's NDJSON process-event stream, fed chunk by chunk, into events. Lines that do not
+/// parse are skipped; a line longer than [`MAX_EVENT_LINE`] is an error.
+#[derive(Default)]
+pub struct ProcessEventLines {
+    buf: bytes::BytesMut,
+}
+
+impl ProcessEventLines {
+    pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<moat_api::ProcessEvent>> {
+        self.buf.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        while let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
+            let line = self.buf.split_to(i + 1);
+            if let Ok(ev) = serde_json::from_slice(&line[..i]) {
+                out.push(ev);
+            }
+        }
+        if self.buf.len() > MAX_EVENT_LINE {
+            bail!("the agent sent an event line longer than {MAX_EVENT_LINE} bytes");
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_lines_split_across_chunks_and_are_bounded() {
+        let mut l = ProcessEventLines::default();
+        assert!(l.push(br#"{"type":"start","pi"#).unwrap().is_empty());
+        let evs = l
+            .push(b"d\":7}\nnot json\n{\"type\":\"exit\",\"exit_code\":0}\n")
+            .unwrap();
+        assert_eq!(evs.len(), 2);
+        assert!(matches!(
+            evs[0],
+            moat_api::ProcessEvent::Start { pid: 7, .. }
+        ));
+        assert!(l.push(&vec![b'x'; MAX_EVENT_LINE + 1]).is_err());
+    }
+}

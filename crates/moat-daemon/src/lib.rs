@@ -183,11 +183,12 @@ pub fn load_or_create_api_key(path: &Path) -> Result<String> {
     let tmp = path.with_extension("tmp");
     {
         use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
-            .mode_0600()
+            .mode(0o600)
             .open(&tmp)
             .with_context(|| format!("create {}", tmp.display()))?;
         writeln!(f, "{key}")?;
@@ -196,17 +197,6 @@ pub fn load_or_create_api_key(path: &Path) -> Result<String> {
     std::fs::rename(&tmp, path)?;
     tracing::info!(path = %path.display(), "generated a new API key");
     Ok(key)
-}
-
-trait Mode0600 {
-    fn mode_0600(&mut self) -> &mut Self;
-}
-
-impl Mode0600 for std::fs::OpenOptions {
-    fn mode_0600(&mut self) -> &mut Self {
-        use std::os::unix::fs::OpenOptionsExt;
-        self.mode(0o600)
-    }
 }
 
 /// Finds the static agent binary and copies it, content-addressed, into `<data_dir>/bin`, so what

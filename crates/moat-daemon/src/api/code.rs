@@ -1,11 +1,9 @@
 //! `/v1/sandboxes/{id}/code`: stateful code execution with rich results, and its contexts.
 
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Json;
-use futures::StreamExt;
 use moat_api::{
     CodeContext, CodeContextList, CodeEvent, CreateCodeContextRequest, ErrorBody, RunCodeRequest,
 };
@@ -13,7 +11,7 @@ use tokio::sync::mpsc;
 
 use super::St;
 use crate::code;
-use crate::error::{ApiError, ApiResult};
+use crate::error::ApiResult;
 use crate::extract::JsonBody;
 
 /// Run code in a context (the language's default context unless `context_id` is given), streaming
@@ -29,18 +27,10 @@ pub async fn run(
 ) -> ApiResult<Response> {
     let agent = st.sandboxes.agent(&id).await?;
     let ctx = code::prepare(&agent, &id, &req).await?;
-    let (tx, mut rx) = mpsc::channel::<CodeEvent>(256);
+    let (tx, rx) = mpsc::channel::<CodeEvent>(256);
     // The cell runs to its end (or timeout) even if the client goes away.
     tokio::spawn(code::run(agent, id, ctx, req, tx));
-    let lines = futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(|ev| {
-        let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-        line.push(b'\n');
-        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line))
-    });
-    Response::builder()
-        .header(http::header::CONTENT_TYPE, moat_api::NDJSON)
-        .body(Body::from_stream(lines))
-        .map_err(ApiError::internal)
+    super::ndjson_response(rx)
 }
 
 /// Create a code context: a fresh kernel with its own state.

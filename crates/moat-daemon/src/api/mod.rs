@@ -173,6 +173,29 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Checks the API key, then records the request in the audit log once the response head is known
 /// (bodies are never buffered: streams keep streaming).
+/// The items of a channel as a stream (response bodies fed by a task).
+pub(crate) fn receiver_stream<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// An `application/x-ndjson` response with one JSON line per item a task sends on `rx`.
+pub(crate) fn ndjson_response<T: serde::Serialize + Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+) -> Result<Response, ApiError> {
+    use futures::StreamExt;
+    let lines = receiver_stream(rx).map(|item| {
+        let mut line = serde_json::to_vec(&item).unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line))
+    });
+    Response::builder()
+        .header(http::header::CONTENT_TYPE, moat_api::NDJSON)
+        .body(axum::body::Body::from_stream(lines))
+        .map_err(ApiError::internal)
+}
+
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
     let at_ms = crate::sandboxes::now_ms();
     let template = req

@@ -1,11 +1,9 @@
 //! `/v1/templates`: list, register, build (streamed progress), remove.
 
-use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Json;
-use futures::StreamExt;
 use moat_api::{BuildEvent, RegisterTemplateRequest, Template, TemplateList};
 use tokio::sync::mpsc;
 
@@ -73,21 +71,7 @@ pub async fn build(State(st): St, Path(name): Path<String>) -> ApiResult<Respons
         };
         let _ = tx.send(last).await;
     });
-    let lines = tokio_stream_from(rx).map(|ev| {
-        let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-        line.push(b'\n');
-        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line))
-    });
-    Response::builder()
-        .header(http::header::CONTENT_TYPE, moat_api::NDJSON)
-        .body(Body::from_stream(lines))
-        .map_err(crate::error::ApiError::internal)
-}
-
-fn tokio_stream_from<T: Send + 'static>(
-    mut rx: mpsc::Receiver<T>,
-) -> impl futures::Stream<Item = T> {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    super::ndjson_response(rx)
 }
 
 /// Remove a template that no sandbox uses.

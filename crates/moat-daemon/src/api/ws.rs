@@ -11,7 +11,6 @@ use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::Path;
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
 use futures::{SinkExt, StreamExt};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -20,11 +19,8 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use super::St;
-use crate::agent::AgentClient;
+use crate::agent::{chunk_bytes, AgentClient, ProcessEventLines};
 use crate::error::{ApiError, ApiResult};
-
-/// Longest NDJSON line accepted from an agent (a bound on what a hostile agent can make us hold).
-const MAX_LINE: usize = 16 << 20;
 
 #[derive(Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -80,33 +76,28 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
 
     // Agent events → WebSocket messages.
     let out_task = tokio::spawn(async move {
-        let mut lines = NdjsonLines::new(events);
-        while let Some(line) = lines.next().await {
-            let Ok(ev) = serde_json::from_slice::<ProcessEvent>(&line) else {
+        let mut events = events;
+        let mut lines = ProcessEventLines::default();
+        while let Some(Ok(frame)) = events.frame().await {
+            let Ok(chunk) = frame.into_data() else {
                 continue;
             };
-            let (msg, last) = match &ev {
-                ProcessEvent::Stdout(c) | ProcessEvent::Stderr(c) | ProcessEvent::Pty(c) => {
-                    let bytes = match (&c.data, &c.data_b64) {
-                        (Some(d), _) => d.as_bytes().to_vec(),
-                        (None, Some(b)) => base64::engine::general_purpose::STANDARD
-                            .decode(b)
-                            .unwrap_or_default(),
-                        _ => Vec::new(),
-                    };
-                    (Message::Binary(bytes.into()), false)
-                }
-                ProcessEvent::Exit(_) => (
-                    Message::Text(String::from_utf8_lossy(&line).into_owned().into()),
-                    true,
-                ),
-                _ => (
-                    Message::Text(String::from_utf8_lossy(&line).into_owned().into()),
-                    false,
-                ),
-            };
-            if out_tx.send(msg).await.is_err() || last {
+            let Ok(evs) = lines.push(&chunk) else {
                 break;
+            };
+            for ev in evs {
+                let (msg, last) = match &ev {
+                    ProcessEvent::Stdout(c) | ProcessEvent::Stderr(c) | ProcessEvent::Pty(c) => {
+                        (Message::Binary(chunk_bytes(c).into()), false)
+                    }
+                    other => (
+                        Message::Text(serde_json::to_string(other).unwrap_or_default().into()),
+                        matches!(other, ProcessEvent::Exit(_)),
+                    ),
+                };
+                if out_tx.send(msg).await.is_err() || last {
+                    return;
+                }
             }
         }
     });
@@ -133,7 +124,7 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
                     Some(Ok(Message::Binary(b))) => {
                         if stdin_tx.is_none() {
                             let (tx, rx) = mpsc::channel(16);
-                            let body = Body::new(http_body_util::StreamBody::new(ReceiverStream(rx)));
+                            let body = Body::new(http_body_util::StreamBody::new(super::receiver_stream(rx)));
                             let agent = agent.clone();
                             let path = format!("/processes/{sel}/stdin");
                             tokio::spawn(async move {
@@ -171,55 +162,4 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
         }
     }
     out_task.abort();
-}
-
-struct ReceiverStream<T>(mpsc::Receiver<T>);
-
-impl<T> futures::Stream for ReceiverStream<T> {
-    type Item = T;
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<T>> {
-        self.0.poll_recv(cx)
-    }
-}
-
-/// Splits a streamed body into lines, holding at most one line (bounded by `MAX_LINE`).
-struct NdjsonLines {
-    body: Incoming,
-    buf: Vec<u8>,
-    done: bool,
-}
-
-impl NdjsonLines {
-    fn new(body: Incoming) -> NdjsonLines {
-        NdjsonLines {
-            body,
-            buf: Vec::new(),
-            done: false,
-        }
-    }
-
-    async fn next(&mut self) -> Option<Vec<u8>> {
-        loop {
-            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
-                let rest = self.buf.split_off(i + 1);
-                let mut line = std::mem::replace(&mut self.buf, rest);
-                line.pop();
-                return Some(line);
-            }
-            if self.done || self.buf.len() > MAX_LINE {
-                return None;
-            }
-            match self.body.frame().await {
-                Some(Ok(f)) => {
-                    if let Ok(d) = f.into_data() {
-                        self.buf.extend_from_slice(&d);
-                    }
-                }
-                _ => self.done = true,
-            }
-        }
-    }
 }

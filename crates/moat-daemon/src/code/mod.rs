@@ -598,17 +598,6 @@ fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-fn decode_chunk(c: &moat_api::OutputChunk) -> Vec<u8> {
-    use base64::Engine;
-    match (&c.data, &c.data_b64) {
-        (Some(d), _) => d.as_bytes().to_vec(),
-        (None, Some(b)) => base64::engine::general_purpose::STANDARD
-            .decode(b)
-            .unwrap_or_default(),
-        _ => Vec::new(),
-    }
-}
-
 fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
@@ -711,7 +700,7 @@ async fn execute(
 
     let mut deadline = tokio::time::Instant::now() + timeout;
     let mut interrupted = false;
-    let mut events = ProcessEventLines::default();
+    let mut events = crate::agent::ProcessEventLines::default();
     loop {
         let frame = tokio::select! {
             f = body.frame() => f,
@@ -741,10 +730,13 @@ async fn execute(
             }
             None => return Err(ApiError::internal("the kernel's output stream ended early")),
         };
-        for ev in events.push(&chunk) {
+        let evs = events
+            .push(&chunk)
+            .map_err(|e| ApiError::internal(format!("{e:#}")))?;
+        for ev in evs {
             let step = match ev {
-                ProcessEvent::Stdout(c) => decoder.stdout(&exec_id, &decode_chunk(&c)),
-                ProcessEvent::Stderr(c) => decoder.stderr(&decode_chunk(&c)),
+                ProcessEvent::Stdout(c) => decoder.stdout(&exec_id, &crate::agent::chunk_bytes(&c)),
+                ProcessEvent::Stderr(c) => decoder.stderr(&crate::agent::chunk_bytes(&c)),
                 ProcessEvent::Exit(e) => {
                     let how = match (&e.exit_code, &e.signal) {
                         (Some(c), _) => format!("exit code {c}"),
@@ -815,26 +807,6 @@ fn timeout_error(timeout: Duration, restarted: bool) -> CodeError {
         name: "TimeoutError".into(),
         value,
         traceback: String::new(),
-    }
-}
-
-/// Splits the agent's NDJSON event stream into events.
-#[derive(Default)]
-struct ProcessEventLines {
-    buf: BytesMut,
-}
-
-impl ProcessEventLines {
-    fn push(&mut self, chunk: &[u8]) -> Vec<ProcessEvent> {
-        self.buf.extend_from_slice(chunk);
-        let mut out = Vec::new();
-        while let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
-            let line = self.buf.split_to(i + 1);
-            if let Ok(ev) = serde_json::from_slice(&line[..i]) {
-                out.push(ev);
-            }
-        }
-        out
     }
 }
 
