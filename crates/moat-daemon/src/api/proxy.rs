@@ -22,6 +22,15 @@ fn agent_path(req: &Request, id: &str) -> String {
 
 async fn forward(st: &St, id: &str, req: Request, body: Option<Body>) -> ApiResult<Response> {
     let agent = st.sandboxes.agent(id).await?;
+    forward_to(&agent, id, req, body).await
+}
+
+async fn forward_to(
+    agent: &crate::agent::AgentClient,
+    id: &str,
+    req: Request,
+    body: Option<Body>,
+) -> ApiResult<Response> {
     let path = agent_path(&req, id);
     let method = req.method().clone();
     let ct = req
@@ -46,7 +55,8 @@ async fn forward(st: &St, id: &str, req: Request, body: Option<Body>) -> ApiResu
 
 /// Forwards a JSON request after checking it parses as `T` (400 naming the field, 413 when too big).
 async fn forward_json<T: DeserializeOwned>(st: &St, id: &str, req: Request) -> ApiResult<Response> {
-    st.sandboxes.agent(id).await?;
+    // The sandbox is checked first: an unknown one is a 404 whatever the body says.
+    let agent = st.sandboxes.agent(id).await?;
     let (parts, body) = req.into_parts();
     let bytes = read_limited(
         body,
@@ -55,7 +65,7 @@ async fn forward_json<T: DeserializeOwned>(st: &St, id: &str, req: Request) -> A
     .await?;
     parse_json::<T>(&bytes)?;
     let req = Request::from_parts(parts, Body::empty());
-    forward(st, id, req, Some(Body::from(bytes))).await
+    forward_to(&agent, id, req, Some(Body::from(bytes))).await
 }
 
 /// Checks a query string parses as `T` before forwarding.
