@@ -16,3 +16,4 @@ mod lifecycle;
 mod limits;
 mod pool;
 mod restart;
+mod snapshots;

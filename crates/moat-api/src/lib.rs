@@ -10,6 +10,7 @@ pub mod error;
 pub mod files;
 pub mod process;
 pub mod sandbox;
+pub mod snapshot;
 pub mod template;
 
 pub use audit::*;
@@ -18,6 +19,7 @@ pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use files::*;
 pub use process::*;
 pub use sandbox::*;
+pub use snapshot::*;
 pub use template::*;
 
 /// Version of the host↔agent protocol; the daemon refuses an agent that reports another one.

@@ -132,6 +132,13 @@ pub struct CreateSandboxRequest {
     /// Seconds without an API request for the sandbox after which it is killed; 0: never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<u64>,
+    /// Start from this snapshot (id or name) instead of a template's clean state; its template, and
+    /// its limits and environment unless given here, apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// `kill` (default) or `pause` when the timeout or idle timeout passes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<crate::OnTimeout>,
 }
 
 /// The resource limits of a sandbox, as set at create (defaults from the daemon's configuration).
@@ -212,6 +219,13 @@ pub struct Sandbox {
     /// Every resource limit (`cpu` and `memory_mb` repeat the fields above).
     #[serde(default)]
     pub limits: SandboxLimits,
+    /// What happens at the timeout: `kill` or `pause`.
+    #[serde(default)]
+    pub on_timeout: crate::OnTimeout,
+    /// The snapshot the sandbox started from (or was last reset to); absent for a template's clean
+    /// state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

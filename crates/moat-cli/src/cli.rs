@@ -51,6 +51,27 @@ pub enum Command {
     },
     /// Make a sandbox expire SECS seconds from now.
     Timeout { id: String, secs: u64 },
+    /// Freeze every process of a sandbox (no CPU, memory and files kept; it does not expire).
+    Pause { id: String },
+    /// Resume a paused sandbox where it stopped.
+    Resume {
+        id: String,
+        /// New lifetime in seconds from now (the daemon default when absent).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+    },
+    /// Put a sandbox back into a snapshot's state (or the state it was created in), in place.
+    Reset {
+        id: String,
+        /// Snapshot id or name (default: what the sandbox started from).
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Manage snapshots.
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
+    /// Start sandboxes from a snapshot and print their ids.
+    Fork(ForkArgs),
     /// List the processes of a sandbox.
     Ps { id: String },
     /// Live resource usage of a sandbox, or of every sandbox (a table) without an id.
@@ -139,6 +160,12 @@ pub struct CreateArgs {
     /// Kill the sandbox after SECS seconds without an API request for it.
     #[arg(long, value_name = "SECS")]
     pub idle_timeout: Option<u64>,
+    /// Start from this snapshot (id or name) instead of the template's clean state.
+    #[arg(long)]
+    pub snapshot: Option<String>,
+    /// What to do when the timeout passes.
+    #[arg(long, value_parser = ["kill", "pause"])]
+    pub on_timeout: Option<String>,
 }
 
 impl CreateArgs {
@@ -221,6 +248,52 @@ pub struct RunArgs {
         value_name = "CMD"
     )]
     pub cmd: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCommand {
+    /// Snapshot a sandbox's filesystem; prints the snapshot id.
+    Create {
+        id: String,
+        /// Unique name to address it by.
+        #[arg(long)]
+        name: Option<String>,
+        /// Full-state snapshot (memory too), where the tier and host support it.
+        #[arg(long)]
+        full: bool,
+        /// Metadata label (repeatable).
+        #[arg(long, short = 'm', value_name = "K=V", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+    },
+    /// List snapshots.
+    #[command(alias = "list")]
+    Ls,
+    /// Show a snapshot as JSON.
+    Inspect { id: String },
+    /// Delete snapshots (sandboxes started from them keep running).
+    #[command(alias = "delete")]
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// Snapshot id or name.
+    pub snapshot: String,
+    /// How many sandboxes.
+    #[arg(long, short = 'n', default_value_t = 1)]
+    pub count: u32,
+    /// Lifetime of each in seconds.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
+    /// Environment variable added for every fork (repeatable).
+    #[arg(long, short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Metadata label for every fork (repeatable).
+    #[arg(long, short = 'm', value_name = "K=V", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -9,6 +9,7 @@ mod output;
 mod parse;
 mod sandbox;
 mod shell;
+mod snapshot;
 mod template;
 
 use clap::Parser;
@@ -91,6 +92,11 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Inspect { id } => sandbox::inspect(&client, &id).await,
         Command::Rm { ids, all } => sandbox::remove(&client, &ids, all, json).await,
         Command::Timeout { id, secs } => sandbox::set_timeout(&client, &id, secs, json).await,
+        Command::Pause { id } => snapshot::pause(&client, &id, json).await,
+        Command::Resume { id, timeout } => snapshot::resume(&client, &id, timeout, json).await,
+        Command::Reset { id, snapshot } => snapshot::reset(&client, &id, snapshot, json).await,
+        Command::Snapshot(cmd) => snapshot::dispatch(&client, cmd, json).await,
+        Command::Fork(args) => snapshot::fork(&client, &args, json).await,
         Command::Ps { id } => exec::ps(&client, &id, json).await,
         Command::Stats { id } => sandbox::stats(&client, id.as_deref(), json).await,
         Command::Kill {

@@ -24,6 +24,12 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
         output_bytes: args.output_bytes,
         command_timeout: args.command_timeout,
         idle_timeout: args.idle_timeout,
+        snapshot: args.snapshot.clone(),
+        on_timeout: match args.on_timeout.as_deref() {
+            Some("pause") => Some(moat_api::OnTimeout::Pause),
+            Some("kill") => Some(moat_api::OnTimeout::Kill),
+            _ => None,
+        },
     })
 }
 

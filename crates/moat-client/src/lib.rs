@@ -24,6 +24,7 @@ mod files;
 pub mod ndjson;
 mod processes;
 mod sandboxes;
+mod snapshots;
 mod templates;
 
 use std::path::{Path, PathBuf};

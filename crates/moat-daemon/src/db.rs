@@ -52,6 +52,26 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX audit_at ON audit (at_ms);
     CREATE INDEX audit_sandbox ON audit (sandbox_id, at_ms);",
+    // 5: snapshots and their layers (see layers.rs); a sandbox's layer stack above its template, the
+    // snapshot it started from, and what it does at its timeout.
+    "ALTER TABLE sandboxes ADD COLUMN layers TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE sandboxes ADD COLUMN snapshot TEXT;
+    ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'kill';
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY,
+        name TEXT UNIQUE,
+        kind TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        template TEXT NOT NULL,
+        isolation TEXT NOT NULL,
+        layers TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        created_at_ms INTEGER NOT NULL,
+        frozen_ms INTEGER NOT NULL,
+        limits TEXT NOT NULL,
+        env TEXT NOT NULL,
+        metadata TEXT NOT NULL
+    );",
 ];
 
 /// A sandbox row.
@@ -76,6 +96,29 @@ pub struct SandboxRecord {
     pub limits: moat_api::SandboxLimits,
     /// Last API request for the sandbox (the idle timeout counts from it).
     pub last_active_ms: i64,
+    /// Layer digests above the template, bottom first (from the snapshot it started from).
+    pub layers: Vec<String>,
+    /// The snapshot it started from or was last reset to.
+    pub snapshot: Option<String>,
+    pub on_timeout: moat_api::OnTimeout,
+}
+
+/// A snapshot row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub name: Option<String>,
+    pub kind: moat_api::SnapshotKind,
+    pub sandbox_id: String,
+    pub template: String,
+    pub isolation: Isolation,
+    pub layers: Vec<String>,
+    pub size_bytes: u64,
+    pub created_at_ms: i64,
+    pub frozen_ms: u64,
+    pub limits: moat_api::SandboxLimits,
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// What a creator asks of a sandbox taken from the warm pool.
@@ -89,6 +132,7 @@ pub struct Claim {
     pub cpu: f64,
     pub memory_mb: u64,
     pub limits: moat_api::SandboxLimits,
+    pub on_timeout: moat_api::OnTimeout,
 }
 
 /// A template row.
@@ -149,6 +193,27 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
         pooled: r.get::<_, i64>("pooled")? != 0,
         limits,
         last_active_ms: r.get("last_active_ms")?,
+        layers: parse_json(&r.get::<_, String>("layers")?)?,
+        snapshot: r.get("snapshot")?,
+        on_timeout: parse_enum(&r.get::<_, String>("on_timeout")?)?,
+    })
+}
+
+fn snapshot_from_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
+    Ok(SnapshotRecord {
+        id: r.get("id")?,
+        name: r.get("name")?,
+        kind: parse_enum(&r.get::<_, String>("kind")?)?,
+        sandbox_id: r.get("sandbox_id")?,
+        template: r.get("template")?,
+        isolation: parse_enum(&r.get::<_, String>("isolation")?)?,
+        layers: parse_json(&r.get::<_, String>("layers")?)?,
+        size_bytes: r.get::<_, i64>("size_bytes")? as u64,
+        created_at_ms: r.get("created_at_ms")?,
+        frozen_ms: r.get::<_, i64>("frozen_ms")? as u64,
+        limits: parse_json(&r.get::<_, String>("limits")?)?,
+        env: parse_json(&r.get::<_, String>("env")?)?,
+        metadata: parse_json(&r.get::<_, String>("metadata")?)?,
     })
 }
 
@@ -243,8 +308,9 @@ impl Db {
         rec.slot = slot as u32;
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
-                                    cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                                    cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms,
+                                    layers, snapshot, on_timeout)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
             params![
                 rec.id,
                 rec.template,
@@ -262,6 +328,9 @@ impl Db {
                 rec.pooled as i64,
                 serde_json::to_string(&rec.limits)?,
                 rec.last_active_ms,
+                serde_json::to_string(&rec.layers)?,
+                rec.snapshot,
+                enum_str(&rec.on_timeout),
             ],
         )?;
         tx.commit()?;
@@ -337,7 +406,7 @@ impl Db {
     pub fn expired(&self, now_ms: i64) -> Result<Vec<String>> {
         self.with(|c| {
             let mut st = c.prepare(
-                "SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state != 'stopping' AND pooled = 0",
+                "SELECT id FROM sandboxes WHERE expires_at_ms <= ?1 AND state IN ('running', 'starting') AND pooled = 0",
             )?;
             let rows = st.query_map([now_ms], |r| r.get(0))?;
             rows.collect()
@@ -349,7 +418,7 @@ impl Db {
         let id: Option<String> = self.with(|c| {
             c.query_row(
                 "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
-                        cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2
+                        cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2, on_timeout = ?9
                  WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
                              ORDER BY created_at_ms LIMIT 1)
                  RETURNING id",
@@ -361,7 +430,8 @@ impl Db {
                     serde_json::to_string(&claim.env).unwrap_or_default(),
                     claim.cpu,
                     claim.memory_mb as i64,
-                    serde_json::to_string(&claim.limits).unwrap_or_else(|_| "{}".into())
+                    serde_json::to_string(&claim.limits).unwrap_or_else(|_| "{}".into()),
+                    enum_str(&claim.on_timeout)
                 ],
                 |r| r.get(0),
             )
@@ -426,11 +496,100 @@ impl Db {
         Ok(())
     }
 
+    /// Points a sandbox at a new layer stack (after a reset) and records its new tier state.
+    pub fn set_layers(
+        &self,
+        id: &str,
+        layers: &[String],
+        snapshot: Option<&str>,
+        tier_state: Option<&serde_json::Value>,
+    ) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET layers = ?2, snapshot = ?3, tier_state = ?4 WHERE id = ?1",
+                params![
+                    id,
+                    serde_json::to_string(layers).unwrap_or_else(|_| "[]".into()),
+                    snapshot,
+                    tier_state.map(|v| v.to_string())
+                ],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO snapshots (id, name, kind, sandbox_id, template, isolation, layers, size_bytes,
+                                        created_at_ms, frozen_ms, limits, env, metadata)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                params![
+                    s.id,
+                    s.name,
+                    enum_str(&s.kind),
+                    s.sandbox_id,
+                    s.template,
+                    enum_str(&s.isolation),
+                    serde_json::to_string(&s.layers).unwrap_or_else(|_| "[]".into()),
+                    s.size_bytes as i64,
+                    s.created_at_ms,
+                    s.frozen_ms as i64,
+                    serde_json::to_string(&s.limits).unwrap_or_else(|_| "{}".into()),
+                    serde_json::to_string(&s.env).unwrap_or_else(|_| "{}".into()),
+                    serde_json::to_string(&s.metadata).unwrap_or_else(|_| "{}".into()),
+                ],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// A snapshot by id or by name.
+    pub fn get_snapshot(&self, id_or_name: &str) -> Result<Option<SnapshotRecord>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT * FROM snapshots WHERE id = ?1 OR name = ?1",
+                [id_or_name],
+                snapshot_from_row,
+            )
+            .optional()
+        })
+    }
+
+    pub fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare("SELECT * FROM snapshots ORDER BY created_at_ms, id")?;
+            let rows = st.query_map([], snapshot_from_row)?;
+            rows.collect()
+        })
+    }
+
+    pub fn delete_snapshot(&self, id: &str) -> Result<()> {
+        self.with(|c| c.execute("DELETE FROM snapshots WHERE id = ?1", [id]))?;
+        Ok(())
+    }
+
+    /// Every layer digest a sandbox or snapshot still uses.
+    pub fn layers_in_use(&self) -> Result<std::collections::HashSet<String>> {
+        self.with(|c| {
+            let mut out = std::collections::HashSet::new();
+            for table in ["sandboxes", "snapshots"] {
+                let mut st = c.prepare(&format!("SELECT layers FROM {table}"))?;
+                for l in st.query_map([], |r| r.get::<_, String>(0))? {
+                    let v: Vec<String> = parse_json(&l?)?;
+                    out.extend(v);
+                }
+            }
+            Ok(out)
+        })
+    }
+
     /// Number of sandboxes using a template.
     pub fn template_users(&self, name: &str) -> Result<u64> {
         self.with(|c| {
             c.query_row(
-                "SELECT COUNT(*) FROM sandboxes WHERE template = ?1",
+                "SELECT (SELECT COUNT(*) FROM sandboxes WHERE template = ?1)
+                      + (SELECT COUNT(*) FROM snapshots WHERE template = ?1)",
                 [name],
                 |r| r.get::<_, i64>(0),
             )
@@ -464,6 +623,9 @@ mod tests {
                 ..Default::default()
             },
             last_active_ms: 0,
+            layers: Vec::new(),
+            snapshot: None,
+            on_timeout: moat_api::OnTimeout::Kill,
         }
     }
 
@@ -510,6 +672,7 @@ mod tests {
             cpu: 0.5,
             memory_mb: 128,
             limits: moat_api::SandboxLimits::default(),
+            on_timeout: moat_api::OnTimeout::Pause,
         };
         assert!(db
             .claim_pooled(&Claim {

@@ -13,6 +13,7 @@ pub mod db;
 pub mod error;
 pub mod extract;
 pub mod host;
+pub mod layers;
 pub mod sandboxes;
 pub mod template;
 pub mod tier;
@@ -67,6 +68,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         args.clone(),
         db.clone(),
         templates,
+        Arc::new(layers::LayerStore::new(args.data_dir.join("layers"))?),
         tiers,
     ));
     sandboxes.recover().await.context("recover sandboxes")?;

@@ -19,14 +19,18 @@ use crate::agent::AgentClient;
 use crate::config::ServeArgs;
 use crate::db::{Claim, Db, SandboxRecord};
 use crate::error::{ApiError, ApiResult};
+use crate::layers::LayerStore;
 use crate::template::store::TemplateStore;
 use crate::tier::container::MAX_SLOTS;
 use crate::tier::{IsolationTier, SandboxSpec};
+
+mod snapshots;
 
 pub struct Sandboxes {
     pub args: ServeArgs,
     pub db: Arc<Db>,
     pub templates: Arc<TemplateStore>,
+    pub layers: Arc<LayerStore>,
     tiers: HashMap<Isolation, Arc<dyn IsolationTier>>,
     agents: RwLock<HashMap<String, Arc<AgentClient>>>,
     pool_wake: tokio::sync::Notify,
@@ -39,6 +43,11 @@ pub struct Sandboxes {
     host_disk_mb: u64,
     /// Previous CPU sample per sandbox (when, usage in µs), for `cpu_cores` in stats.
     cpu_samples: std::sync::Mutex<HashMap<String, (std::time::Instant, u64)>>,
+    /// One at a time per sandbox: snapshot, reset, pause, resume (each changes its frozen state or
+    /// its whole instance).
+    op_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while layers are committed and recorded, and while unused ones are removed.
+    layer_lock: std::sync::Mutex<()>,
 }
 
 /// Per-process output buffer bounds, bytes.
@@ -110,6 +119,52 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         memory_mb: r.memory_mb,
         hostname: r.hostname.clone(),
         limits: r.limits.clone(),
+        on_timeout: r.on_timeout,
+        snapshot: r.snapshot.clone(),
+    }
+}
+
+/// Checks metadata labels (of a sandbox or a snapshot).
+fn validate_metadata(md: &BTreeMap<String, String>) -> ApiResult<()> {
+    if md.len() > 64 {
+        return Err(ApiError::invalid("metadata", "at most 64 metadata labels"));
+    }
+    for (k, v) in md {
+        if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains('=') {
+            return Err(ApiError::invalid(
+                &format!("metadata.{k}"),
+                "metadata keys must be 1-128 characters without '='; values at most 1024",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `base` with what `req` sets replaced (a disk quota without an inode count gets one inode per
+/// 16 KiB, like mkfs.ext4's default).
+fn limits_over(base: &SandboxLimits, req: &CreateSandboxRequest) -> SandboxLimits {
+    let disk_mb = req.disk_mb.unwrap_or(base.disk_mb);
+    let inodes = match req.disk_inodes {
+        Some(n) => n,
+        None if req.disk_mb.is_some() => 0,
+        None => base.disk_inodes,
+    };
+    let disk_inodes = match (disk_mb, inodes) {
+        (0, _) => 0,
+        (mb, 0) => (mb * 64).clamp(1024, u32::MAX as u64),
+        (_, n) => n,
+    };
+    SandboxLimits {
+        cpu: req.cpu.unwrap_or(base.cpu),
+        memory_mb: req.memory_mb.unwrap_or(base.memory_mb),
+        pids: req.pids.unwrap_or(base.pids),
+        nofile: req.nofile.unwrap_or(base.nofile),
+        disk_mb,
+        disk_inodes,
+        tmp_mb: req.tmp_mb.unwrap_or(base.tmp_mb),
+        output_bytes: req.output_bytes.unwrap_or(base.output_bytes),
+        command_timeout: req.command_timeout.unwrap_or(base.command_timeout),
+        idle_timeout: req.idle_timeout.unwrap_or(base.idle_timeout),
     }
 }
 
@@ -134,6 +189,7 @@ impl Sandboxes {
         args: ServeArgs,
         db: Arc<Db>,
         templates: Arc<TemplateStore>,
+        layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
     ) -> Sandboxes {
         let host_cpus = std::thread::available_parallelism()
@@ -161,6 +217,7 @@ impl Sandboxes {
             args,
             db,
             templates,
+            layers,
             tiers: tiers.into_iter().map(|t| (t.isolation(), t)).collect(),
             agents: RwLock::new(HashMap::new()),
             pool_wake: tokio::sync::Notify::new(),
@@ -170,31 +227,27 @@ impl Sandboxes {
             host_nofile,
             host_disk_mb,
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
+            op_locks: std::sync::Mutex::new(HashMap::new()),
+            layer_lock: std::sync::Mutex::new(()),
         }
     }
 
     /// The limits of a sandbox created with `req` (the daemon's defaults where it gives none).
     pub fn limits_for(&self, req: &CreateSandboxRequest) -> SandboxLimits {
         let a = &self.args;
-        let disk_mb = req.disk_mb.unwrap_or(a.default_disk_mb);
-        let disk_inodes = match (disk_mb, req.disk_inodes.unwrap_or(a.default_disk_inodes)) {
-            (0, _) => 0,
-            // One inode per 16 KiB, like mkfs.ext4's default.
-            (mb, 0) => (mb * 64).clamp(1024, u32::MAX as u64),
-            (_, n) => n,
+        let defaults = SandboxLimits {
+            cpu: a.default_cpu,
+            memory_mb: a.default_memory_mb,
+            pids: a.default_pids,
+            nofile: a.default_nofile.min(self.host_nofile),
+            disk_mb: a.default_disk_mb,
+            disk_inodes: a.default_disk_inodes,
+            tmp_mb: a.default_tmp_mb,
+            output_bytes: a.default_output_bytes,
+            command_timeout: a.default_command_timeout,
+            idle_timeout: a.default_idle_timeout,
         };
-        SandboxLimits {
-            cpu: req.cpu.unwrap_or(a.default_cpu),
-            memory_mb: req.memory_mb.unwrap_or(a.default_memory_mb),
-            pids: req.pids.unwrap_or(a.default_pids),
-            nofile: req.nofile.unwrap_or(a.default_nofile.min(self.host_nofile)),
-            disk_mb,
-            disk_inodes,
-            tmp_mb: req.tmp_mb.unwrap_or(a.default_tmp_mb),
-            output_bytes: req.output_bytes.unwrap_or(a.default_output_bytes),
-            command_timeout: req.command_timeout.unwrap_or(a.default_command_timeout),
-            idle_timeout: req.idle_timeout.unwrap_or(a.default_idle_timeout),
-        }
+        limits_over(&defaults, req)
     }
 
     /// Checks the limits that come from `req` or the defaults (a bad default is reported on the field
@@ -324,58 +377,78 @@ impl Sandboxes {
                 return Err(ApiError::invalid(&format!("env.{k}"), "environment names must be non-empty without '=' or NUL; values without NUL and at most 128 KiB"));
             }
         }
-        if req.metadata.len() > 64 {
-            return Err(ApiError::invalid("metadata", "at most 64 metadata labels"));
-        }
-        for (k, v) in &req.metadata {
-            if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains('=') {
-                return Err(ApiError::invalid(
-                    &format!("metadata.{k}"),
-                    "metadata keys must be 1-128 characters without '='; values at most 1024",
-                ));
-            }
-        }
-        Ok(())
+        validate_metadata(&req.metadata)
     }
 
     pub async fn create(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
         self.validate(&req)?;
-        let isolation = req.isolation.unwrap_or_default();
+        let snapshot = match &req.snapshot {
+            Some(s) => Some(self.snapshot_for_create(s, &req)?),
+            None => None,
+        };
+        let isolation = snapshot
+            .as_ref()
+            .map(|s| s.isolation)
+            .or(req.isolation)
+            .unwrap_or_default();
         let tier = self.tier(isolation)?;
-        let template = req
-            .template
-            .clone()
-            .unwrap_or_else(|| self.args.default_template.clone());
+        let template = match (&snapshot, &req.template) {
+            (Some(s), _) => s.template.clone(),
+            (None, Some(t)) => t.clone(),
+            (None, None) => self.args.default_template.clone(),
+        };
         moat_api::validate_template_name(&template)
             .map_err(|m| ApiError::invalid("template", m))?;
         let template_rootfs = self.templates.ensure(&self.db, &template).await?;
 
-        let limits = self.limits_for(&req);
+        let limits = match &snapshot {
+            Some(s) => limits_over(&s.limits, &req),
+            None => self.limits_for(&req),
+        };
         self.validate_limits(&limits)?;
+        let mut env = snapshot.as_ref().map(|s| s.env.clone()).unwrap_or_default();
+        env.extend(req.env);
         let now = now_ms();
         let claim = Claim {
             template: template.clone(),
             created_at_ms: now,
             expires_at_ms: now + 1000 * req.timeout.unwrap_or(self.args.default_timeout) as i64,
             metadata: req.metadata,
-            env: req.env,
-            cpu: req.cpu.unwrap_or(self.args.default_cpu),
-            memory_mb: req.memory_mb.unwrap_or(self.args.default_memory_mb),
+            env,
+            cpu: limits.cpu,
+            memory_mb: limits.memory_mb,
             limits,
+            on_timeout: req.on_timeout.unwrap_or_default(),
         };
         let defaults = self.limits_for(&CreateSandboxRequest::default());
         // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
         let fixed = |l: &SandboxLimits| (l.disk_mb, l.disk_inodes, l.tmp_mb);
-        if self.pool_serves(&template, isolation) && fixed(&claim.limits) == fixed(&defaults) {
+        if snapshot.is_none()
+            && self.pool_serves(&template, isolation)
+            && fixed(&claim.limits) == fixed(&defaults)
+        {
             if let Some(rec) = self.claim(&claim, &tier).await {
                 return Ok(to_api(&rec));
             }
         }
+        let rec = self.new_record(claim, isolation, snapshot.as_ref());
+        let rec = self.start_new(rec, tier, template_rootfs).await?;
+        tracing::info!(sandbox = %rec.id, template = %rec.template, snapshot = ?rec.snapshot, "created");
+        Ok(to_api(&rec))
+    }
+
+    /// A new (not yet inserted) sandbox row.
+    fn new_record(
+        &self,
+        claim: Claim,
+        isolation: Isolation,
+        snapshot: Option<&crate::db::SnapshotRecord>,
+    ) -> SandboxRecord {
         let id = new_sandbox_id();
-        let rec = SandboxRecord {
+        SandboxRecord {
             hostname: format!("sbx-{}", &id[4..16]),
             id,
-            template,
+            template: claim.template,
             isolation,
             state: SandboxState::Starting,
             created_at_ms: claim.created_at_ms,
@@ -388,11 +461,11 @@ impl Sandboxes {
             tier_state: None,
             pooled: false,
             limits: claim.limits,
-            last_active_ms: now,
-        };
-        let rec = self.start_new(rec, tier, template_rootfs).await?;
-        tracing::info!(sandbox = %rec.id, template = %rec.template, "created");
-        Ok(to_api(&rec))
+            last_active_ms: claim.created_at_ms,
+            layers: snapshot.map(|s| s.layers.clone()).unwrap_or_default(),
+            snapshot: snapshot.map(|s| s.id.clone()),
+            on_timeout: claim.on_timeout,
+        }
     }
 
     fn pool_serves(&self, template: &str, isolation: Isolation) -> bool {
@@ -460,28 +533,7 @@ impl Sandboxes {
             .insert_sandbox(&mut rec, MAX_SLOTS)
             .map_err(|e| ApiError::new(ErrorCode::Conflict, format!("{e:#}")))?;
         let id = rec.id.clone();
-        let spec = SandboxSpec {
-            id: id.clone(),
-            hostname: rec.hostname.clone(),
-            template_rootfs,
-            env: rec.env.clone(),
-            limits: rec.limits.clone(),
-            slot: rec.slot,
-        };
-        let config = agent_config(&rec.limits, tier.oom_counter_inside());
-        let started = async {
-            let state = tier.create(&spec).await?;
-            // Record the tier state before anything else can fail, so a crash here is swept or adopted.
-            self.db
-                .set_tier_state(&id, SandboxState::Starting, &state)?;
-            let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
-            agent.wait_ready(Duration::from_secs(20)).await?;
-            agent.configure(&config).await?;
-            self.db.set_tier_state(&id, SandboxState::Running, &state)?;
-            anyhow::Ok((agent, state))
-        }
-        .await;
-        match started {
+        match self.boot(&rec, &tier, template_rootfs).await {
             Ok((agent, state)) => {
                 self.agents.write().await.insert(id.clone(), agent);
                 rec.state = SandboxState::Running;
@@ -489,21 +541,61 @@ impl Sandboxes {
                 Ok(rec)
             }
             Err(e) => {
-                let state = self
-                    .db
-                    .get_sandbox(&id)
-                    .ok()
-                    .flatten()
-                    .and_then(|r| r.tier_state);
-                if let Err(c) = tier.destroy(&id, state.as_ref()).await {
-                    tracing::error!(sandbox = %id, "cleanup of failed create: {c:#}");
-                }
-                let _ = self.db.delete_sandbox(&id);
+                self.discard_failed(&id, &tier).await;
                 Err(ApiError::internal(format!(
                     "could not start sandbox: {e:#}"
                 )))
             }
         }
+    }
+
+    /// Removes what a failed start left: the tier's instance and the row.
+    async fn discard_failed(&self, id: &str, tier: &Arc<dyn IsolationTier>) {
+        let state = self
+            .db
+            .get_sandbox(id)
+            .ok()
+            .flatten()
+            .and_then(|r| r.tier_state);
+        if let Err(c) = tier.destroy(id, state.as_ref()).await {
+            tracing::error!(sandbox = %id, "cleanup of failed create: {c:#}");
+        }
+        let _ = self.db.delete_sandbox(id);
+    }
+
+    /// Starts the tier's instance of an inserted sandbox row (with its layers, limits and environment)
+    /// and waits for its agent; the row is `running` with the new tier state when this succeeds.
+    async fn boot(
+        &self,
+        rec: &SandboxRecord,
+        tier: &Arc<dyn IsolationTier>,
+        template_rootfs: std::path::PathBuf,
+    ) -> Result<(Arc<AgentClient>, serde_json::Value)> {
+        let id = rec.id.clone();
+        let layers = rec
+            .layers
+            .iter()
+            .map(|d| self.layers.path(d))
+            .collect::<Result<Vec<_>>>()?;
+        let spec = SandboxSpec {
+            id: id.clone(),
+            hostname: rec.hostname.clone(),
+            template_rootfs,
+            layers,
+            env: rec.env.clone(),
+            limits: rec.limits.clone(),
+            slot: rec.slot,
+        };
+        let config = agent_config(&rec.limits, tier.oom_counter_inside());
+        let state = tier.create(&spec).await?;
+        // Record the tier state before anything else can fail, so a crash here is swept or adopted.
+        self.db
+            .set_tier_state(&id, SandboxState::Starting, &state)?;
+        let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
+        agent.wait_ready(Duration::from_secs(20)).await?;
+        agent.configure(&config).await?;
+        self.db.set_tier_state(&id, SandboxState::Running, &state)?;
+        Ok((agent, state))
     }
 
     /// Keeps `pool_size` sandboxes of the default template started, forever. Only fills from a
@@ -552,6 +644,9 @@ impl Sandboxes {
             pooled: true,
             limits: self.limits_for(&CreateSandboxRequest::default()),
             last_active_ms: 0,
+            layers: Vec::new(),
+            snapshot: None,
+            on_timeout: moat_api::OnTimeout::Kill,
         };
         let rec = self.start_new(rec, tier, rootfs).await?;
         tracing::debug!(sandbox = %rec.id, "added to the warm pool");
@@ -735,6 +830,11 @@ impl Sandboxes {
 
     async fn agent_of(&self, rec: SandboxRecord) -> ApiResult<Arc<AgentClient>> {
         let id = rec.id.as_str();
+        if rec.state == SandboxState::Paused {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is paused; resume it first (POST /v1/sandboxes/{id}/resume)"
+            )));
+        }
         if rec.state != SandboxState::Running {
             return Err(ApiError::conflict(format!(
                 "sandbox {id} is {}",
@@ -778,6 +878,12 @@ impl Sandboxes {
         if let Ok(mut m) = self.cpu_samples.lock() {
             m.remove(&rec.id);
         }
+        if let Ok(mut m) = self.op_locks.lock() {
+            m.remove(&rec.id);
+        }
+        if !rec.layers.is_empty() {
+            self.gc_layers();
+        }
         tracing::info!(sandbox = %rec.id, "deleted");
         Ok(())
     }
@@ -809,6 +915,13 @@ impl Sandboxes {
                     if rec.state == SandboxState::Starting {
                         continue;
                     }
+                    if rec.on_timeout == moat_api::OnTimeout::Pause {
+                        tracing::info!(sandbox = %id, "timeout or idle timeout passed: pausing");
+                        if let Err(e) = self.pause(&id).await {
+                            tracing::error!(sandbox = %id, "pause at timeout: {}", e.0);
+                        }
+                        continue;
+                    }
                     tracing::info!(sandbox = %id, "timeout or idle timeout passed");
                     if let Err(e) = self.destroy(rec).await {
                         tracing::error!(sandbox = %id, "expire: {e:#}");
@@ -826,7 +939,7 @@ impl Sandboxes {
             .into_iter()
             .filter(|r| {
                 !r.pooled
-                    && r.state != SandboxState::Stopping
+                    && r.state == SandboxState::Running
                     && r.limits.idle_timeout > 0
                     && r.last_active_ms + 1000 * r.limits.idle_timeout as i64 <= now
             })
@@ -898,6 +1011,7 @@ impl Sandboxes {
                 tracing::warn!(leftover = %name, "swept");
             }
         }
+        self.gc_layers();
         self.trim_pool().await
     }
 

@@ -5,6 +5,7 @@ mod code;
 pub mod mcp;
 mod proxy;
 mod sandboxes;
+mod snapshots;
 mod templates;
 mod ws;
 
@@ -49,6 +50,8 @@ pub type St = State<Arc<AppState>>;
         templates::list, templates::get, templates::register, templates::build, templates::delete,
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
         audit::list, audit::for_sandbox,
+        snapshots::create, snapshots::list, snapshots::get, snapshots::delete, snapshots::fork,
+        snapshots::reset, snapshots::pause, snapshots::resume,
     ),
     components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent, moat_api::CodeEvent)),
     modifiers(&BearerAuth),
@@ -59,6 +62,7 @@ pub type St = State<Arc<AppState>>;
         (name = "templates", description = "Root filesystems sandboxes start from"),
         (name = "code", description = "Stateful code execution with rich results (code interpreter)"),
         (name = "audit", description = "The audit log of API actions and commands"),
+        (name = "snapshots", description = "Snapshots, forks and reset"),
     )
 )]
 pub struct ApiDoc;
@@ -159,6 +163,16 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::get).delete(templates::delete),
         )
         .route("/v1/templates/{name}/build", post(templates::build))
+        .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/v1/sandboxes/{id}/reset", post(snapshots::reset))
+        .route("/v1/sandboxes/{id}/pause", post(snapshots::pause))
+        .route("/v1/sandboxes/{id}/resume", post(snapshots::resume))
+        .route("/v1/snapshots", get(snapshots::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route("/v1/snapshots/{id}/fork", post(snapshots::fork))
         .route("/v1/audit", get(audit::list))
         .route("/v1/sandboxes/{id}/audit", get(audit::for_sandbox))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));

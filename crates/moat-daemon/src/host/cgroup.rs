@@ -329,7 +329,36 @@ impl CgroupLayout {
         if !path.exists() {
             return Ok(());
         }
-        std::fs::write(&path, value).with_context(|| format!("write {value} to {}", path.display()))
+        std::fs::write(&path, value)
+            .with_context(|| format!("write {value} to {}", path.display()))?;
+        if !frozen {
+            return Ok(());
+        }
+        // Freezing is asynchronous: wait until every task has stopped.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.is_frozen(name) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("cgroup {name} did not freeze within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Whether every task of the group is frozen.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        match self {
+            CgroupLayout::V2 { .. } => self
+                .file_in(name, "cgroup.events")
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .is_some_and(|t| frozen_v2(&t)),
+            CgroupLayout::V1 { .. } => self
+                .file_in(name, "freezer.state")
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .is_some_and(|t| t.trim() == "FROZEN"),
+        }
     }
 
     /// Removes the group's directories (it must be empty: call `kill_all` first). Missing is fine.
@@ -372,9 +401,23 @@ impl CgroupLayout {
     }
 }
 
+/// Whether a cgroup v2 `cgroup.events` says the group is frozen.
+fn frozen_v2(events: &str) -> bool {
+    events
+        .lines()
+        .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["frozen", "1"])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn v2_frozen_flag() {
+        assert!(frozen_v2("populated 1\nfrozen 1\n"));
+        assert!(!frozen_v2("populated 1\nfrozen 0\n"));
+        assert!(!frozen_v2(""));
+    }
 
     fn limits() -> Limits {
         Limits {

@@ -7,3 +7,4 @@ pub mod diskimage;
 pub mod mount;
 pub mod proc;
 pub mod seccomp;
+pub mod userns;

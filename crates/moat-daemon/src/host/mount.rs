@@ -92,20 +92,26 @@ pub fn idmapped_bind(src: &Path, target: &Path, userns: &OwnedFd) -> Result<()> 
     Ok(())
 }
 
-/// Mounts an overlay of `lower` (read-only) and `upper`/`work` (the sandbox's writable layer) at `target`.
-pub fn overlay(lower: &Path, upper: &Path, work: &Path, target: &Path) -> Result<()> {
-    for p in [lower, upper, work] {
+/// Mounts an overlay of `lowers` (read-only, topmost first) and `upper`/`work` (the sandbox's writable
+/// layer) at `target`.
+pub fn overlay(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> Result<()> {
+    for p in lowers.iter().map(PathBuf::as_path).chain([upper, work]) {
         let s = p.to_string_lossy();
         if s.contains(',') || s.contains(':') {
             bail!("overlay layer path {s} may not contain ',' or ':'");
         }
     }
+    let lower: Vec<String> = lowers.iter().map(|l| l.display().to_string()).collect();
     let opts = format!(
         "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
+        lower.join(":"),
         upper.display(),
         work.display()
     );
+    // The options must fit in one page.
+    if opts.len() > 4000 {
+        bail!("overlay options too long ({} layers)", lowers.len());
+    }
     mount(
         Some("overlay"),
         target,
@@ -255,6 +261,8 @@ mod tests {
     #[test]
     fn overlay_rejects_separators() {
         let p = Path::new("/tmp/a,b");
-        assert!(overlay(p, p, p, p).is_err());
+        let ok = Path::new("/tmp/ok");
+        assert!(overlay(&[p.to_path_buf()], ok, ok, ok).is_err());
+        assert!(overlay(&[ok.to_path_buf(), PathBuf::from("/tmp/x:y")], ok, ok, ok).is_err());
     }
 }

@@ -136,7 +136,7 @@ impl TemplateStore {
         let users = db.template_users(name)?;
         if users > 0 {
             return Err(ApiError::conflict(format!(
-                "template {name} is used by {users} sandbox(es); remove them first"
+                "template {name} is used by {users} sandbox(es) or snapshot(s); remove them first"
             )));
         }
         let mut opts = debootstrap::DebootstrapOptions::from_host(self.cache_dir.clone())?;
@@ -239,7 +239,7 @@ impl TemplateStore {
         let users = db.template_users(name)?;
         if users > 0 {
             return Err(ApiError::conflict(format!(
-                "template {name} is used by {users} sandbox(es)"
+                "template {name} is used by {users} sandbox(es) or snapshot(s)"
             )));
         }
         let dir = self.dir.join(name);

@@ -21,6 +21,8 @@ pub struct SandboxSpec {
     pub hostname: String,
     /// Read-only root filesystem of the template.
     pub template_rootfs: PathBuf,
+    /// Read-only layers stacked over the template (a snapshot's), bottom first.
+    pub layers: Vec<PathBuf>,
     /// The environment the agent (and so every process) starts with.
     pub env: BTreeMap<String, String>,
     pub limits: SandboxLimits,
@@ -83,6 +85,20 @@ pub trait IsolationTier: Send + Sync {
 
     /// Thaws a paused sandbox.
     async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()>;
+
+    /// Copies every change the sandbox made to its root filesystem (its writable layer: an overlay
+    /// upper directory, whiteouts included) into the empty directory `dest`, with file owners as the
+    /// template's (root = 0), while the sandbox's processes are frozen (it stays frozen if it was
+    /// paused). Returns how long it was frozen.
+    async fn export_changes(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        dest: &std::path::Path,
+    ) -> Result<std::time::Duration>;
+
+    /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
+    fn full_snapshot_unsupported(&self) -> Option<String>;
 
     /// Kills the sandbox and removes everything it had on the host. Idempotent; works from the id
     /// alone when the state was lost.

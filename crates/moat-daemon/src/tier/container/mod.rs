@@ -240,8 +240,17 @@ impl ContainerTier {
             .context("open user namespace")?
             .into();
         mount::idmapped_bind(&spec.template_rootfs, &dir.join("lower"), &userns)?;
+        // Snapshot layers over the template, each idmapped the same way; topmost first for overlayfs.
+        let mut lowers = Vec::with_capacity(spec.layers.len() + 1);
+        for (i, l) in spec.layers.iter().enumerate().rev() {
+            let target = dir.join(format!("l{i}"));
+            std::fs::create_dir_all(&target).with_context(|| format!("mkdir l{i}"))?;
+            mount::idmapped_bind(l, &target, &userns)?;
+            lowers.push(target);
+        }
+        lowers.push(dir.join("lower"));
         mount::overlay(
-            &dir.join("lower"),
+            &lowers,
             &layer.join("upper"),
             &layer.join("work"),
             &dir.join("rootfs"),
@@ -442,6 +451,23 @@ impl IsolationTier for ContainerTier {
         self.cgroups.set_frozen(id, false)
     }
 
+    async fn export_changes(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        dest: &Path,
+    ) -> Result<Duration> {
+        let state = parse_state(state)?;
+        let this = self.clone_handle();
+        let id = id.to_string();
+        let dest = dest.to_path_buf();
+        tokio::task::spawn_blocking(move || this.export_blocking(&id, &state, &dest)).await?
+    }
+
+    fn full_snapshot_unsupported(&self) -> Option<String> {
+        criu_unsupported()
+    }
+
     async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
         let state = state.and_then(|s| parse_state(s).ok());
         let this = self.clone_handle();
@@ -471,7 +497,103 @@ impl IsolationTier for ContainerTier {
     }
 }
 
+/// Why the container tier cannot checkpoint process memory here (CRIU); checked once.
+fn criu_unsupported() -> Option<String> {
+    static ANSWER: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ANSWER
+        .get_or_init(|| {
+            match Command::new("criu")
+                .arg("check")
+                .stdin(Stdio::null())
+                .output()
+            {
+                Err(_) => Some(
+                    "full-state snapshots of the container tier need CRIU, which is not installed on this host; \
+                     take a filesystem snapshot (kind \"filesystem\") instead"
+                        .into(),
+                ),
+                Ok(o) if !o.status.success() => {
+                    let why = String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .chain(String::from_utf8_lossy(&o.stdout).lines())
+                        .map(str::trim)
+                        .find(|l| !l.is_empty())
+                        .unwrap_or("no message")
+                        .to_string();
+                    Some(format!(
+                        "full-state snapshots of the container tier are not supported on this host: `criu check` fails ({why}); \
+                         take a filesystem snapshot (kind \"filesystem\") instead"
+                    ))
+                }
+                // CRIU works, but moat does not drive it yet: say so rather than pretend.
+                Ok(_) => Some(
+                    "full-state snapshots of the container tier are not implemented yet (CRIU passes `criu check` here); \
+                     take a filesystem snapshot (kind \"filesystem\") instead"
+                        .into(),
+                ),
+            }
+        })
+        .clone()
+}
+
 impl ContainerTier {
+    /// See [`IsolationTier::export_changes`]. The writable layer is read through an idmapped view that
+    /// maps the sandbox's host ids back to 0..65535, so the copy is owned like a template and can be
+    /// idmapped into any other sandbox's range; `cp` keeps modes (setuid included), hard links, sparse
+    /// files, device nodes (whiteouts) and extended attributes (opaque directories, file capabilities).
+    fn export_blocking(&self, id: &str, state: &ContainerState, dest: &Path) -> Result<Duration> {
+        let dir = self.dir(id);
+        let upper = if dir.join("disk.img").exists() {
+            dir.join("disk/upper")
+        } else {
+            dir.join("upper")
+        };
+        let view = dir.join("export");
+        std::fs::create_dir_all(&view).context("mkdir export")?;
+        let userns = crate::host::userns::with_map(state.host_uid, 0, IDS_PER_SANDBOX)?;
+        let was_frozen = self.cgroups.is_frozen(id);
+        let started = std::time::Instant::now();
+        if !was_frozen {
+            self.cgroups.set_frozen(id, true)?;
+        }
+        let copied = (|| {
+            mount::idmapped_bind(&upper, &view, &userns)?;
+            let out = Command::new("cp")
+                .args([
+                    "-dR",
+                    "--preserve=mode,ownership,timestamps,links,xattr",
+                    "--sparse=auto",
+                    "--no-target-directory",
+                ])
+                .arg(&view)
+                .arg(dest)
+                .env_clear()
+                .env("PATH", "/usr/bin:/bin")
+                .stdin(Stdio::null())
+                .output()
+                .context("run cp")?;
+            if !out.status.success() {
+                bail!(
+                    "copy the writable layer: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            Ok(())
+        })();
+        let frozen_for = started.elapsed();
+        let unmounted = mount::unmount_tree(&view);
+        let thawed = if was_frozen {
+            Ok(())
+        } else {
+            self.cgroups.set_frozen(id, false)
+        };
+        let _ = std::fs::remove_dir(&view);
+        copied?;
+        unmounted?;
+        thawed?;
+        Ok(frozen_for)
+    }
+
     fn clone_handle(&self) -> ContainerTier {
         ContainerTier {
             root: self.root.clone(),

@@ -1,0 +1,444 @@
+//! Snapshots, forks, reset, pause and resume (docs/snapshots.md).
+//!
+//! A filesystem snapshot is the sandbox's layer stack plus one new layer: a copy of its writable layer
+//! taken while its processes are frozen, stored once by content digest (`layers.rs`). Sandboxes started
+//! from a snapshot mount its layers read-only under a fresh writable layer of their own, so a fork
+//! copies nothing. Reset replaces a sandbox's instance (processes and writable layer) with a fresh one
+//! over the chosen layers, keeping its id, uid range, hostname, limits, environment and timeout.
+
+use moat_api::{
+    CreateSnapshotRequest, ForkRequest, PauseResult, ResetRequest, ResumeRequest, Snapshot,
+    SnapshotKind,
+};
+
+use futures::StreamExt;
+
+use super::*;
+use crate::db::SnapshotRecord;
+
+/// Deepest layer stack a snapshot may have (overlayfs' mount options must fit in one page).
+pub const MAX_LAYERS: usize = 48;
+/// Most sandboxes one fork call starts.
+pub const MAX_FORKS: u32 = 100;
+
+/// `snap_` + 26 base32 characters of 128 random bits.
+fn new_snapshot_id() -> String {
+    let mut b = [0u8; 16];
+    rand::rngs::OsRng.fill_bytes(&mut b);
+    format!("snap_{}", base32(&b))
+}
+
+fn snapshot_to_api(r: &SnapshotRecord) -> Snapshot {
+    Snapshot {
+        id: r.id.clone(),
+        name: r.name.clone(),
+        kind: r.kind,
+        sandbox_id: r.sandbox_id.clone(),
+        template: r.template.clone(),
+        isolation: r.isolation,
+        layers: r.layers.clone(),
+        size_bytes: r.size_bytes,
+        created_at: rfc3339(r.created_at_ms),
+        frozen_ms: r.frozen_ms,
+        limits: r.limits.clone(),
+        env_keys: r.env.keys().cloned().collect(),
+        metadata: r.metadata.clone(),
+    }
+}
+
+impl Sandboxes {
+    /// The lock that keeps snapshot, reset, pause and resume of one sandbox from interleaving.
+    fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self
+            .op_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    fn snapshot_record(&self, field: &str, id_or_name: &str) -> ApiResult<SnapshotRecord> {
+        if id_or_name.is_empty() || id_or_name.len() > 64 {
+            return Err(ApiError::not_found(
+                field,
+                format!("snapshot {id_or_name:?} not found"),
+            ));
+        }
+        self.db
+            .get_snapshot(id_or_name)?
+            .ok_or_else(|| ApiError::not_found(field, format!("snapshot {id_or_name} not found")))
+    }
+
+    /// The snapshot a create asks to start from, checked against the rest of the request.
+    pub(super) fn snapshot_for_create(
+        &self,
+        id_or_name: &str,
+        req: &CreateSandboxRequest,
+    ) -> ApiResult<SnapshotRecord> {
+        let snap = self.snapshot_record("snapshot", id_or_name)?;
+        if let Some(i) = req.isolation.filter(|i| *i != snap.isolation) {
+            return Err(ApiError::invalid(
+                "isolation",
+                format!(
+                    "snapshot {} was taken on the {} tier, not {}; leave isolation out",
+                    snap.id,
+                    snap.isolation.as_str(),
+                    i.as_str()
+                ),
+            ));
+        }
+        if let Some(t) = req.template.as_ref().filter(|t| **t != snap.template) {
+            return Err(ApiError::invalid(
+                "template",
+                format!(
+                    "snapshot {} is of template {}, not {t}; leave template out",
+                    snap.id, snap.template
+                ),
+            ));
+        }
+        Ok(snap)
+    }
+
+    /// Removes layers no sandbox or snapshot uses any more.
+    pub(super) fn gc_layers(&self) {
+        let _g = self
+            .layer_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let result = self
+            .db
+            .layers_in_use()
+            .and_then(|keep| self.layers.gc(&keep));
+        match result {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(?removed, "removed unused layers")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("layer gc: {e:#}"),
+        }
+    }
+
+    /// Takes a snapshot of a running or paused sandbox.
+    pub async fn snapshot(&self, id: &str, req: CreateSnapshotRequest) -> ApiResult<Snapshot> {
+        if let Some(n) = &req.name {
+            moat_api::validate_snapshot_name(n).map_err(|m| ApiError::invalid("name", m))?;
+            if self.db.get_snapshot(n)?.is_some() {
+                return Err(ApiError::conflict(format!(
+                    "a snapshot named {n} exists already"
+                )));
+            }
+        }
+        validate_metadata(&req.metadata)?;
+        let rec = self.record(id)?;
+        let tier = self.tier(rec.isolation)?;
+        if req.kind == Some(SnapshotKind::Full) {
+            if let Some(why) = tier.full_snapshot_unsupported() {
+                return Err(ApiError(
+                    moat_api::ErrorBody::new(ErrorCode::Unavailable, why).with_field("kind"),
+                ));
+            }
+        }
+        if rec.layers.len() >= MAX_LAYERS {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} already stacks {} layers (at most {MAX_LAYERS}); snapshot a sandbox started from the template instead",
+                rec.layers.len()
+            )));
+        }
+        let lock = self.op_lock(id);
+        let _op = lock.lock().await;
+        // Re-read under the lock: a reset or delete may have changed it.
+        let rec = self.record(id)?;
+        let (SandboxState::Running | SandboxState::Paused, Some(state)) =
+            (rec.state, rec.tier_state.as_ref())
+        else {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
+        };
+        let scratch = self.layers.scratch()?;
+        let frozen = match tier.export_changes(id, state, &scratch).await {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+            }
+        };
+        let layers = self.layers.clone();
+        let committed = {
+            let scratch = scratch.clone();
+            tokio::task::spawn_blocking(move || layers.commit(&scratch))
+                .await
+                .map_err(|e| ApiError::internal(format!("snapshot of {id}: {e}")))?
+        };
+        let (digest, size_bytes) = match committed {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+            }
+        };
+        let mut stack = rec.layers.clone();
+        stack.push(digest);
+        let snap = SnapshotRecord {
+            id: new_snapshot_id(),
+            name: req.name,
+            kind: SnapshotKind::Filesystem,
+            sandbox_id: rec.id.clone(),
+            template: rec.template.clone(),
+            isolation: rec.isolation,
+            layers: stack,
+            size_bytes,
+            created_at_ms: now_ms(),
+            frozen_ms: frozen.as_millis() as u64,
+            limits: rec.limits.clone(),
+            env: rec.env.clone(),
+            metadata: req.metadata,
+        };
+        {
+            let _g = self
+                .layer_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Err(e) = self.db.insert_snapshot(&snap) {
+                drop(_g);
+                self.gc_layers();
+                let msg = format!("{e:#}");
+                return Err(if msg.contains("UNIQUE") {
+                    ApiError::conflict("a snapshot with that name exists already")
+                } else {
+                    ApiError::internal(format!("record snapshot: {msg}"))
+                });
+            }
+        }
+        tracing::info!(sandbox = %id, snapshot = %snap.id, bytes = size_bytes, frozen_ms = snap.frozen_ms, "snapshot taken");
+        Ok(snapshot_to_api(&snap))
+    }
+
+    pub fn list_snapshots(&self) -> ApiResult<Vec<Snapshot>> {
+        Ok(self
+            .db
+            .list_snapshots()?
+            .iter()
+            .map(snapshot_to_api)
+            .collect())
+    }
+
+    pub fn get_snapshot(&self, id_or_name: &str) -> ApiResult<Snapshot> {
+        self.snapshot_record("id", id_or_name)
+            .map(|s| snapshot_to_api(&s))
+    }
+
+    /// Deletes a snapshot; its layers stay while sandboxes started from it run.
+    pub fn delete_snapshot(&self, id_or_name: &str) -> ApiResult<()> {
+        let snap = self.snapshot_record("id", id_or_name)?;
+        self.db.delete_snapshot(&snap.id)?;
+        self.gc_layers();
+        tracing::info!(snapshot = %snap.id, "snapshot deleted");
+        Ok(())
+    }
+
+    /// Starts `req.count` sandboxes from one snapshot; all or none (on a failure the ones already
+    /// started are removed).
+    pub async fn fork(&self, id_or_name: &str, req: ForkRequest) -> ApiResult<Vec<Sandbox>> {
+        if !(1..=MAX_FORKS).contains(&req.count) {
+            return Err(ApiError::invalid(
+                "count",
+                format!("count must be 1..={MAX_FORKS}, got {}", req.count),
+            ));
+        }
+        let snap = self.snapshot_record("id", id_or_name)?;
+        let parallel = std::thread::available_parallelism()
+            .map(|n| n.get() * 2)
+            .unwrap_or(4)
+            .clamp(2, 16);
+        let requests = (0..req.count).map(|i| {
+            let mut metadata = req.metadata.clone();
+            metadata.insert("moat.fork-index".into(), i.to_string());
+            CreateSandboxRequest {
+                snapshot: Some(snap.id.clone()),
+                timeout: req.timeout,
+                metadata,
+                env: req.env.clone(),
+                on_timeout: req.on_timeout,
+                ..Default::default()
+            }
+        });
+        let results: Vec<ApiResult<Sandbox>> = futures::stream::iter(requests)
+            .map(|r| self.create(r))
+            .buffered(parallel)
+            .collect()
+            .await;
+        let mut made = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(s) => made.push(s),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            for s in &made {
+                if let Err(d) = self.delete(&s.id).await {
+                    tracing::error!(sandbox = %s.id, "remove after failed fork: {}", d.0);
+                }
+            }
+            return Err(e);
+        }
+        tracing::info!(snapshot = %snap.id, count = req.count, "forked");
+        Ok(made)
+    }
+
+    /// Puts a sandbox back into a snapshot's state (or the state it was created in): every process is
+    /// killed and its writable layer replaced by an empty one over the snapshot's layers. The id, uid
+    /// range, hostname, limits, environment, metadata and timeout stay.
+    pub async fn reset(&self, id: &str, req: ResetRequest) -> ApiResult<Sandbox> {
+        let lock = self.op_lock(id);
+        let _op = lock.lock().await;
+        let rec = self.record(id)?;
+        if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
+        }
+        let (layers, snapshot) = match &req.snapshot {
+            Some(s) => {
+                let snap = self.snapshot_record("snapshot", s)?;
+                if snap.template != rec.template || snap.isolation != rec.isolation {
+                    return Err(ApiError::invalid(
+                        "snapshot",
+                        format!(
+                            "snapshot {} is of template {} on the {} tier; sandbox {id} runs template {} on the {} tier",
+                            snap.id,
+                            snap.template,
+                            snap.isolation.as_str(),
+                            rec.template,
+                            rec.isolation.as_str()
+                        ),
+                    ));
+                }
+                (snap.layers, Some(snap.id))
+            }
+            None => (rec.layers.clone(), rec.snapshot.clone()),
+        };
+        let tier = self.tier(rec.isolation)?;
+        let rootfs = self.templates.ensure(&self.db, &rec.template).await?;
+        self.db.set_state(id, SandboxState::Starting)?;
+        self.agents.write().await.remove(id);
+        let restarted = async {
+            tier.destroy(id, rec.tier_state.as_ref()).await?;
+            self.db.set_layers(id, &layers, snapshot.as_deref(), None)?;
+            let mut next = rec.clone();
+            next.layers = layers.clone();
+            next.snapshot = snapshot.clone();
+            self.boot(&next, &tier, rootfs).await
+        }
+        .await;
+        match restarted {
+            Ok((agent, _state)) => {
+                self.agents.write().await.insert(id.to_string(), agent);
+                if layers != rec.layers {
+                    self.gc_layers();
+                }
+                tracing::info!(sandbox = %id, snapshot = ?snapshot, "reset");
+                self.get(id)
+            }
+            Err(e) => {
+                self.discard_failed(id, &tier).await;
+                self.gc_layers();
+                Err(ApiError::internal(format!(
+                    "reset of {id} failed and the sandbox was removed: {e:#}"
+                )))
+            }
+        }
+    }
+
+    /// Freezes every process of a running sandbox; it keeps its memory and files, uses no CPU, and
+    /// does not expire while paused.
+    pub async fn pause(&self, id: &str) -> ApiResult<PauseResult> {
+        let lock = self.op_lock(id);
+        let _op = lock.lock().await;
+        let rec = self.record(id)?;
+        match rec.state {
+            SandboxState::Running => {}
+            SandboxState::Paused => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is already paused"
+                )))
+            }
+            s => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is {}",
+                    s.as_str()
+                )))
+            }
+        }
+        let tier = self.tier(rec.isolation)?;
+        let state = rec.tier_state.clone().unwrap_or_default();
+        tier.pause(id, &state)
+            .await
+            .map_err(|e| ApiError::internal(format!("pause {id}: {e:#}")))?;
+        self.db.set_state(id, SandboxState::Paused)?;
+        tracing::info!(sandbox = %id, "paused");
+        Ok(PauseResult {
+            sandbox: self.get(id)?,
+            processes_kept: true,
+        })
+    }
+
+    /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).
+    pub async fn resume(&self, id: &str, req: ResumeRequest) -> ApiResult<PauseResult> {
+        let timeout = req.timeout.unwrap_or(self.args.default_timeout);
+        if timeout == 0 || timeout > self.args.max_timeout {
+            return Err(ApiError::invalid(
+                "timeout",
+                format!(
+                    "timeout must be 1..={} seconds, got {timeout}",
+                    self.args.max_timeout
+                ),
+            ));
+        }
+        let lock = self.op_lock(id);
+        let _op = lock.lock().await;
+        let rec = self.record(id)?;
+        if rec.state != SandboxState::Paused {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}, not paused",
+                rec.state.as_str()
+            )));
+        }
+        let tier = self.tier(rec.isolation)?;
+        let state = rec.tier_state.clone().unwrap_or_default();
+        tier.resume(id, &state)
+            .await
+            .map_err(|e| ApiError::internal(format!("resume {id}: {e:#}")))?;
+        self.db.set_expiry(id, now_ms() + 1000 * timeout as i64)?;
+        self.db.touch(id, now_ms())?;
+        self.db.set_state(id, SandboxState::Running)?;
+        tracing::info!(sandbox = %id, "resumed");
+        Ok(PauseResult {
+            sandbox: self.get(id)?,
+            processes_kept: true,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_ids_are_well_formed() {
+        let a = new_snapshot_id();
+        assert!(a.starts_with("snap_") && a.len() == 31, "{a}");
+        assert_ne!(a, new_snapshot_id());
+        assert!(moat_api::validate_snapshot_name(&a).is_err());
+    }
+
+    #[test]
+    fn on_timeout_default_is_kill() {
+        assert_eq!(moat_api::OnTimeout::default(), moat_api::OnTimeout::Kill);
+    }
+}

@@ -1,0 +1,541 @@
+//! Snapshots, fork, reset, pause/resume and on_timeout=pause, on real sandboxes.
+
+use std::time::Duration;
+
+use moat_api::{
+    CreateSandboxRequest, CreateSnapshotRequest, ErrorCode, ForkRequest, OnTimeout,
+    RegisterTemplateRequest, ResetRequest, ResumeRequest, SandboxState, SnapshotKind,
+    StartProcessRequest,
+};
+use moat_client::Client;
+
+use crate::harness::*;
+
+/// Status, code and field of a failed call.
+fn api_err<T: std::fmt::Debug>(r: moat_client::Result<T>) -> (u16, ErrorCode, Option<String>) {
+    match r {
+        Err(moat_client::Error::Api { status, body }) => {
+            (status, body.error.code, body.error.field)
+        }
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+/// A fingerprint of the parts of the filesystem the tests change: every entry's path, type, mode,
+/// owner and size, and every regular file's content.
+const FINGERPRINT: &str = "cd / && find root etc opt home usr/local -xdev \
+    -printf '%p %y %m %u %g %s %l\\n' 2>/dev/null | sort | sha256sum && \
+    find root etc opt home usr/local -xdev -type f -print0 2>/dev/null | sort -z | \
+    xargs -0 sha256sum | sha256sum";
+
+async fn fingerprint(c: &Client, id: &str) -> String {
+    let out = sh(c, id, FINGERPRINT).await;
+    assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    out.stdout
+}
+
+/// Changes of every kind a layer must carry: new files and directories, a setuid bit, a file owned by
+/// another user, a deleted template file (whiteout), a replaced template directory (opaque), a
+/// symlink, a hard link and a fifo.
+const CHANGES: &str = "set -e; echo hello > /root/hello.txt; mkdir -p /opt/app/data; \
+    head -c 300000 /dev/urandom > /opt/app/data/blob; chmod 4755 /opt/app/data/blob; \
+    useradd -m alice; echo mine > /home/alice/own; chown alice:alice /home/alice/own; \
+    rm /etc/motd; rm -rf /etc/apt && mkdir /etc/apt && echo only > /etc/apt/only; \
+    ln -s /root/hello.txt /opt/app/link; ln /root/hello.txt /opt/app/hard; mkfifo /opt/app/fifo";
+
+async fn snapshot(c: &Client, id: &str, name: Option<&str>) -> moat_api::Snapshot {
+    c.create_snapshot(
+        id,
+        &CreateSnapshotRequest {
+            name: name.map(str::to_string),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("snapshot")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshot_fork_ten_share_layers_and_diverge() {
+    let c = shared_client();
+    let src = create(&c, "base").await;
+    let out = sh(&c, &src.id, CHANGES).await;
+    assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    let before = fingerprint(&c, &src.id).await;
+
+    let snap = snapshot(&c, &src.id, None).await;
+    assert_eq!(snap.layers.len(), 1);
+    assert!(snap.layers[0].starts_with("sha256:"), "{snap:?}");
+    assert!(snap.size_bytes >= 300_000, "{snap:?}");
+    // Taking it did not change the source, and the source goes on running.
+    assert_eq!(fingerprint(&c, &src.id).await, before);
+
+    let forks = c
+        .fork(
+            &snap.id,
+            &ForkRequest {
+                count: 10,
+                timeout: Some(600),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("fork 10");
+    assert_eq!(forks.len(), 10);
+    for (i, f) in forks.iter().enumerate() {
+        assert_eq!(f.snapshot.as_deref(), Some(snap.id.as_str()));
+        assert_eq!(
+            f.metadata.get("moat.fork-index").map(String::as_str),
+            Some(i.to_string().as_str())
+        );
+    }
+    // Every fork sees exactly the snapshot's files, with owners, modes and deletions intact.
+    for f in &forks {
+        assert_eq!(fingerprint(&c, &f.id).await, before, "fork {}", f.id);
+        let out = sh(
+            &c,
+            &f.id,
+            "stat -c '%A %U' /opt/app/data/blob /home/alice/own; test ! -e /etc/motd && echo no-motd; \
+             ls /etc/apt; readlink /opt/app/link; stat -c %h /opt/app/hard; test -p /opt/app/fifo && echo fifo",
+        )
+        .await;
+        assert_eq!(
+            out.stdout,
+            "-rwsr-xr-x root\n-rw-r--r-- alice\nno-motd\nonly\n/root/hello.txt\n2\nfifo\n",
+            "{out:?}"
+        );
+    }
+    // Each diverges on its own: a write in one is seen by no other, nor by the source.
+    for (i, f) in forks.iter().enumerate() {
+        let out = sh(
+            &c,
+            &f.id,
+            &format!("echo {i} > /root/mine; rm /root/hello.txt"),
+        )
+        .await;
+        assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    }
+    for (i, f) in forks.iter().enumerate() {
+        let out = sh(&c, &f.id, "cat /root/mine; ls /root").await;
+        assert_eq!(out.stdout, format!("{i}\nmine\n"), "fork {i}");
+    }
+    assert_eq!(fingerprint(&c, &src.id).await, before);
+    // Nothing was copied per fork: each one's writable layer holds only what it wrote.
+    let stats = c.sandbox_stats(&forks[0].id).await.unwrap();
+    assert!(stats.disk_bytes < 200_000, "{stats:?}");
+
+    // The layer lives as long as a snapshot or sandbox uses it.
+    let layer_dir = shared()
+        .data_dir
+        .join("layers")
+        .join(snap.layers[0].trim_start_matches("sha256:"));
+    assert!(layer_dir.is_dir(), "{}", layer_dir.display());
+    c.delete_snapshot(&snap.id).await.unwrap();
+    assert!(c.get_snapshot(&snap.id).await.unwrap_err().is_not_found());
+    assert!(layer_dir.is_dir(), "a running fork still uses the layer");
+    assert_eq!(fingerprint(&c, &forks[3].id).await.len(), before.len());
+    for f in &forks {
+        c.delete_sandbox(&f.id).await.unwrap();
+    }
+    assert!(!layer_dir.exists(), "unused layer was not removed");
+    c.delete_sandbox(&src.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshots_stack_and_reset_returns_the_exact_state_100_times() {
+    let c = shared_client();
+    let src = create(&c, "base").await;
+    assert_eq!(sh(&c, &src.id, CHANGES).await.exit.exit_code, Some(0));
+    let first = snapshot(&c, &src.id, None).await;
+    // A sandbox from the snapshot, changed again and snapshotted: a second layer on the first.
+    let mid = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(first.id.clone()),
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(mid.template, "base");
+    let out = sh(
+        &c,
+        &mid.id,
+        "echo second > /root/second; rm /root/hello.txt",
+    )
+    .await;
+    assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    let name = format!("episode-{}", &mid.id[4..12]);
+    let second = snapshot(&c, &mid.id, Some(&name)).await;
+    assert_eq!(second.layers.len(), 2);
+    assert_eq!(second.layers[0], first.layers[0]);
+    assert_eq!(c.get_snapshot(&name).await.unwrap().id, second.id);
+
+    let sbx = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(name.clone()),
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let start = fingerprint(&c, &sbx.id).await;
+    assert_eq!(
+        sh(&c, &sbx.id, "cat /root/second; ls /root").await.stdout,
+        "second\nsecond\n"
+    );
+    for i in 0..100 {
+        // An episode: change files of every kind, leave a process running.
+        let out = sh(
+            &c,
+            &sbx.id,
+            &format!(
+                "echo {i} > /root/second; rm -rf /opt/app; mkdir -p /usr/local/ep{i}; \
+                 chmod 700 /home/alice; touch /etc/new{i}; (sleep 1000 &)"
+            ),
+        )
+        .await;
+        assert_eq!(out.exit.exit_code, Some(0), "episode {i}: {out:?}");
+        let reset = c
+            .reset_sandbox(&sbx.id, &ResetRequest::default())
+            .await
+            .unwrap_or_else(|e| panic!("reset {i}: {e}"));
+        assert_eq!(reset.id, sbx.id);
+        assert_eq!(reset.state, SandboxState::Running);
+        assert_eq!(fingerprint(&c, &sbx.id).await, start, "after reset {i}");
+    }
+    // No process of an earlier episode survives a reset.
+    let procs = c.list_processes(&sbx.id).await.unwrap();
+    assert!(procs.iter().all(|p| !p.running), "{procs:?}");
+
+    // Reset to another snapshot of the same template.
+    c.reset_sandbox(
+        &sbx.id,
+        &ResetRequest {
+            snapshot: Some(first.id.clone()),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sh(&c, &sbx.id, "cat /root/hello.txt").await.stdout,
+        "hello\n"
+    );
+    assert_eq!(
+        c.get_sandbox(&sbx.id).await.unwrap().snapshot.as_deref(),
+        Some(first.id.as_str())
+    );
+
+    for id in [&src.id, &mid.id, &sbx.id] {
+        c.delete_sandbox(id).await.unwrap();
+    }
+    for s in [&first.id, &second.id] {
+        c.delete_snapshot(s).await.unwrap();
+    }
+}
+
+/// CPU time of the sandbox's cgroup, µs, read on the host.
+async fn cpu_us(c: &Client, id: &str) -> u64 {
+    c.sandbox_stats(id).await.unwrap().cpu_usage_us
+}
+
+async fn count(c: &Client, id: &str) -> u64 {
+    let out = sh(c, id, "cat /root/count").await;
+    out.stdout
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{out:?}"))
+}
+
+const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /root/count.tmp; \
+    mv /root/count.tmp /root/count; done";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pause_stops_cpu_and_resume_continues_the_count() {
+    let c = shared_client();
+    let sbx = create(&c, "base").await;
+    c.start_process_background(
+        &sbx.id,
+        &StartProcessRequest {
+            command: Some(COUNTER.into()),
+            background: true,
+            tag: Some("counter".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(count(&c, &sbx.id).await > 0);
+
+    let paused = c.pause_sandbox(&sbx.id).await.unwrap();
+    assert_eq!(paused.sandbox.state, SandboxState::Paused);
+    assert!(paused.processes_kept);
+    // Frozen: no CPU time accrues, read from the host's cgroup accounting.
+    let a = cpu_us(&c, &sbx.id).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let b = cpu_us(&c, &sbx.id).await;
+    assert_eq!(a, b, "a paused sandbox used CPU");
+    // Commands are refused with a clear answer; pausing again is a conflict.
+    let (status, code, _) = api_err(c.list_processes(&sbx.id).await);
+    assert_eq!((status, code), (409, ErrorCode::Conflict));
+    assert_eq!(api_err(c.pause_sandbox(&sbx.id).await).0, 409);
+    // A paused sandbox does not expire and can be snapshotted (it stays paused).
+    let snap = snapshot(&c, &sbx.id, None).await;
+    assert_eq!(
+        c.get_sandbox(&sbx.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+
+    let resumed = c
+        .resume_sandbox(&sbx.id, &ResumeRequest { timeout: Some(600) })
+        .await
+        .unwrap();
+    assert_eq!(resumed.sandbox.state, SandboxState::Running);
+    // The counter goes on from where it stopped: the value right after resume is the value at pause
+    // (the file in the snapshot) plus what it counted since.
+    let at_pause = {
+        let s = c
+            .create_sandbox(&CreateSandboxRequest {
+                snapshot: Some(snap.id.clone()),
+                timeout: Some(60),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let n = count(&c, &s.id).await;
+        c.delete_sandbox(&s.id).await.unwrap();
+        n
+    };
+    let after = count(&c, &sbx.id).await;
+    assert!(after >= at_pause, "count went back: {after} < {at_pause}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        count(&c, &sbx.id).await > after,
+        "the counter did not go on"
+    );
+    let procs = c.list_processes(&sbx.id).await.unwrap();
+    assert!(
+        procs
+            .iter()
+            .any(|p| p.tag.as_deref() == Some("counter") && p.running),
+        "{procs:?}"
+    );
+    assert_eq!(
+        api_err(c.resume_sandbox(&sbx.id, &ResumeRequest::default()).await).0,
+        409
+    );
+    c.delete_sandbox(&sbx.id).await.unwrap();
+    c.delete_snapshot(&snap.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_timeout_pause_pauses_instead_of_killing() {
+    let c = shared_client();
+    let sbx = c
+        .create_sandbox(&CreateSandboxRequest {
+            timeout: Some(2),
+            on_timeout: Some(OnTimeout::Pause),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(sbx.on_timeout, OnTimeout::Pause);
+    assert_eq!(
+        sh(&c, &sbx.id, "echo kept > /root/f").await.exit.exit_code,
+        Some(0)
+    );
+    let mut state = SandboxState::Running;
+    for _ in 0..100 {
+        state = c.get_sandbox(&sbx.id).await.unwrap().state;
+        if state != SandboxState::Running {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, SandboxState::Paused);
+    // Long past its timeout it is still there, paused.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        c.get_sandbox(&sbx.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    c.resume_sandbox(&sbx.id, &ResumeRequest { timeout: Some(600) })
+        .await
+        .unwrap();
+    assert_eq!(sh(&c, &sbx.id, "cat /root/f").await.stdout, "kept\n");
+    c.delete_sandbox(&sbx.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let d = Daemon::start(&tmp.path().join("data"));
+    let c = d.client();
+    c.register_template(&RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
+    let sbx = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("bb".into()),
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        sh(&c, &sbx.id, "echo data > /root/f").await.exit.exit_code,
+        Some(0)
+    );
+    c.start_process_background(
+        &sbx.id,
+        &StartProcessRequest {
+            command: Some(COUNTER.into()),
+            background: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.pause_sandbox(&sbx.id).await.unwrap();
+
+    d.kill9();
+    d.restart();
+    let c = d.client();
+    assert_eq!(
+        c.get_sandbox(&sbx.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    let r = c
+        .resume_sandbox(&sbx.id, &ResumeRequest::default())
+        .await
+        .unwrap();
+    assert!(r.processes_kept);
+    assert_eq!(sh(&c, &sbx.id, "cat /root/f").await.stdout, "data\n");
+    let a = count(&c, &sbx.id).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(count(&c, &sbx.id).await > a, "the counter did not go on");
+    c.delete_sandbox(&sbx.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshot_bad_input_and_unsupported_kinds() {
+    let c = shared_client();
+    let sbx = create(&c, "base").await;
+    // Memory snapshots need CRIU on the container tier: refused with the reason, on the field.
+    let (status, code, field) = api_err(
+        c.create_snapshot(
+            &sbx.id,
+            &CreateSnapshotRequest {
+                kind: Some(SnapshotKind::Full),
+                ..Default::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!(
+        (status, code, field.as_deref()),
+        (503, ErrorCode::Unavailable, Some("kind"))
+    );
+    let bad_name = CreateSnapshotRequest {
+        name: Some("Bad Name".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        api_err(c.create_snapshot(&sbx.id, &bad_name).await)
+            .2
+            .as_deref(),
+        Some("name")
+    );
+    let name = format!("dup-{}", &sbx.id[4..14]);
+    let snap = snapshot(&c, &sbx.id, Some(&name)).await;
+    assert_eq!(
+        api_err(
+            c.create_snapshot(
+                &sbx.id,
+                &CreateSnapshotRequest {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }
+            )
+            .await
+        )
+        .0,
+        409
+    );
+    assert_eq!(
+        api_err(
+            c.create_snapshot("sbx_nope", &CreateSnapshotRequest::default())
+                .await
+        )
+        .0,
+        404
+    );
+    for n in [0, 101] {
+        let (s, _, f) = api_err(
+            c.fork(
+                &snap.id,
+                &ForkRequest {
+                    count: n,
+                    ..Default::default()
+                },
+            )
+            .await,
+        );
+        assert_eq!((s, f.as_deref()), (400, Some("count")));
+    }
+    let (s, _, f) = api_err(
+        c.fork(
+            "snap_missing",
+            &ForkRequest {
+                count: 1,
+                ..Default::default()
+            },
+        )
+        .await,
+    );
+    assert_eq!((s, f.as_deref()), (404, Some("id")));
+    let (s, _, f) = api_err(
+        c.create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(name.clone()),
+            template: Some("code-interpreter".into()),
+            ..Default::default()
+        })
+        .await,
+    );
+    assert_eq!((s, f.as_deref()), (400, Some("template")));
+    let (s, _, f) = api_err(
+        c.create_sandbox(&CreateSandboxRequest {
+            snapshot: Some("nothing-here".into()),
+            ..Default::default()
+        })
+        .await,
+    );
+    assert_eq!((s, f.as_deref()), (404, Some("snapshot")));
+    let (s, _, f) = api_err(
+        c.reset_sandbox(
+            &sbx.id,
+            &ResetRequest {
+                snapshot: Some("nothing-here".into()),
+            },
+        )
+        .await,
+    );
+    assert_eq!((s, f.as_deref()), (404, Some("snapshot")));
+    let (s, _, f) = api_err(
+        c.resume_sandbox(&sbx.id, &ResumeRequest { timeout: Some(0) })
+            .await,
+    );
+    assert_eq!((s, f.as_deref()), (400, Some("timeout")));
+    assert_eq!(
+        api_err(c.resume_sandbox(&sbx.id, &ResumeRequest::default()).await).0,
+        409,
+        "resume of a running sandbox"
+    );
+    c.delete_snapshot(&name).await.unwrap();
+    c.delete_sandbox(&sbx.id).await.unwrap();
+}
