@@ -132,3 +132,69 @@ fn cli_end_to_end() {
         "run left its sandbox behind"
     );
 }
+
+#[test]
+fn cli_snapshot_fork_reset_pause() {
+    let id = ok(&["create", "--template", "base", "--timeout", "600"])
+        .trim()
+        .to_string();
+    ok(&["exec", &id, "--", "sh", "-c", "echo saved > /root/state"]);
+    let name = format!("cli-{}", &id[4..14]);
+    let snap = ok(&["snapshot", "create", &id, "--name", &name])
+        .trim()
+        .to_string();
+    assert!(snap.starts_with("snap_"), "{snap}");
+    assert!(ok(&["snapshot", "ls"]).contains(&name));
+    let inspected: serde_json::Value =
+        serde_json::from_str(&ok(&["snapshot", "inspect", &name])).unwrap();
+    assert_eq!(inspected["id"], snap.as_str());
+
+    let forks: Vec<String> = ok(&["fork", &name, "-n", "2", "--timeout", "600"])
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(forks.len(), 2);
+    for f in &forks {
+        assert_eq!(ok(&["exec", f, "--", "cat", "/root/state"]), "saved\n");
+    }
+    ok(&[
+        "exec",
+        &forks[0],
+        "--",
+        "sh",
+        "-c",
+        "echo changed > /root/state",
+    ]);
+    ok(&["reset", &forks[0]]);
+    assert_eq!(
+        ok(&["exec", &forks[0], "--", "cat", "/root/state"]),
+        "saved\n"
+    );
+
+    assert!(ok(&["pause", &forks[1]]).contains("paused"));
+    let o = moat(&["exec", &forks[1], "--", "true"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("paused"),
+        "{o:?}"
+    );
+    assert!(ok(&["resume", &forks[1]]).contains("resumed"));
+    assert_eq!(
+        ok(&["exec", &forks[1], "--", "cat", "/root/state"]),
+        "saved\n"
+    );
+
+    let df: serde_json::Value = serde_json::from_str(&ok(&["--json", "system", "df"])).unwrap();
+    assert!(df["layers"]["count"].as_u64().unwrap() >= 1, "{df}");
+    assert!(ok(&["system", "df"]).contains("layers"));
+
+    let o = moat(&["snapshot", "create", &id, "--full"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("full-state snapshots"),
+        "{o:?}"
+    );
+
+    ok(&["rm", &id, &forks[0], &forks[1]]);
+    ok(&["snapshot", "rm", &name]);
+}

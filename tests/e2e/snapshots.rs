@@ -130,6 +130,15 @@ async fn snapshot_fork_ten_share_layers_and_diverge() {
         .join("layers")
         .join(snap.layers[0].trim_start_matches("sha256:"));
     assert!(layer_dir.is_dir(), "{}", layer_dir.display());
+    // `system df` counts the layer once, however many forks use it.
+    let df = c.disk_usage().await.unwrap();
+    assert!(df.layers.count >= 1 && df.snapshots >= 1, "{df:?}");
+    assert!(df.layers.bytes >= snap.size_bytes, "{df:?}");
+    assert!(df.sandboxes.count >= 11, "{df:?}");
+    assert!(
+        df.templates.iter().any(|t| t.name == "base" && t.bytes > 0),
+        "{df:?}"
+    );
     c.delete_snapshot(&snap.id).await.unwrap();
     assert!(c.get_snapshot(&snap.id).await.unwrap_err().is_not_found());
     assert!(layer_dir.is_dir(), "a running fork still uses the layer");

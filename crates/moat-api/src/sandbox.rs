@@ -274,3 +274,26 @@ pub struct TierInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
+
+/// `GET /v1/system/df`: disk used by templates, snapshot layers and sandboxes' writable layers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DiskUsage {
+    pub templates: Vec<DiskUsageItem>,
+    /// The layer store: every snapshot layer once, however many snapshots and sandboxes share it.
+    pub layers: DiskUsageItem,
+    pub snapshots: u64,
+    /// Writable layers of sandboxes (what they wrote).
+    pub sandboxes: DiskUsageItem,
+    /// Sum of the above, bytes.
+    pub total_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DiskUsageItem {
+    pub name: String,
+    /// How many (layers, sandboxes); 1 for a template.
+    pub count: u64,
+    pub bytes: u64,
+}

@@ -72,6 +72,9 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Start sandboxes from a snapshot and print their ids.
     Fork(ForkArgs),
+    /// Host-level information.
+    #[command(subcommand)]
+    System(SystemCommand),
     /// List the processes of a sandbox.
     Ps { id: String },
     /// Live resource usage of a sandbox, or of every sandbox (a table) without an id.
@@ -276,6 +279,12 @@ pub enum SnapshotCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SystemCommand {
+    /// Disk used by templates, snapshot layers and sandboxes' writable layers.
+    Df,
 }
 
 #[derive(Debug, Args)]

@@ -144,3 +144,31 @@ pub async fn resume(
     }
     Ok(0)
 }
+
+/// `moat system df`
+pub async fn df(client: &Client, json: bool) -> anyhow::Result<i32> {
+    let u = client.disk_usage().await?;
+    if json {
+        print_json(&u)?;
+        return Ok(0);
+    }
+    let mib = |b: u64| format!("{:.1}MiB", b as f64 / (1u64 << 20) as f64);
+    let mut rows: Vec<Vec<String>> = u
+        .templates
+        .iter()
+        .map(|t| vec![format!("template {}", t.name), "1".into(), mib(t.bytes)])
+        .collect();
+    rows.push(vec![
+        format!("layers ({} snapshots)", u.snapshots),
+        u.layers.count.to_string(),
+        mib(u.layers.bytes),
+    ]);
+    rows.push(vec![
+        "sandbox writable layers".into(),
+        u.sandboxes.count.to_string(),
+        mib(u.sandboxes.bytes),
+    ]);
+    rows.push(vec!["total".into(), String::new(), mib(u.total_bytes)]);
+    print_table(&["WHAT", "COUNT", "SIZE"], &rows);
+    Ok(0)
+}

@@ -58,6 +58,12 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/system/df`
+    pub async fn disk_usage(&self) -> Result<moat_api::DiskUsage> {
+        self.send_json(self.request(Method::GET, &["v1", "system", "df"]))
+            .await
+    }
+
     /// `POST /v1/sandboxes/{id}/pause`
     pub async fn pause_sandbox(&self, id: &str) -> Result<PauseResult> {
         self.send_json(self.request(Method::POST, &["v1", "sandboxes", id, "pause"]))

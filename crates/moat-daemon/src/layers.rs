@@ -100,9 +100,18 @@ impl LayerStore {
         Ok(removed)
     }
 
-    /// Bytes the store takes on disk.
-    pub fn disk_bytes(&self) -> u64 {
-        tree_bytes(&self.root)
+    /// Number of layers and the bytes the store takes on disk.
+    pub fn usage(&self) -> (u64, u64) {
+        let count = std::fs::read_dir(&self.root)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| {
+                        valid_digest(&format!("sha256:{}", e.file_name().to_string_lossy()))
+                    })
+                    .count() as u64
+            })
+            .unwrap_or(0);
+        (count, tree_bytes(&self.root))
     }
 }
 

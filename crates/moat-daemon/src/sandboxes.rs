@@ -992,6 +992,18 @@ impl Sandboxes {
                     tier.clone(),
                     rec.tier_state.clone().unwrap_or_default(),
                 ));
+                if rec.state == SandboxState::Running {
+                    // A crash during a snapshot can leave a running sandbox frozen.
+                    if let Err(e) = tier
+                        .resume(
+                            &rec.id,
+                            rec.tier_state.as_ref().unwrap_or(&serde_json::Value::Null),
+                        )
+                        .await
+                    {
+                        tracing::warn!(sandbox = %rec.id, "thaw at start-up: {e:#}");
+                    }
+                }
                 if rec.state == SandboxState::Paused
                     || agent.wait_ready(Duration::from_secs(5)).await.is_ok()
                 {

@@ -51,7 +51,7 @@ pub type St = State<Arc<AppState>>;
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
         audit::list, audit::for_sandbox,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete, snapshots::fork,
-        snapshots::reset, snapshots::pause, snapshots::resume,
+        snapshots::reset, snapshots::pause, snapshots::resume, snapshots::disk_usage,
     ),
     components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent, moat_api::CodeEvent)),
     modifiers(&BearerAuth),
@@ -173,6 +173,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(snapshots::get).delete(snapshots::delete),
         )
         .route("/v1/snapshots/{id}/fork", post(snapshots::fork))
+        .route("/v1/system/df", get(snapshots::disk_usage))
         .route("/v1/audit", get(audit::list))
         .route("/v1/sandboxes/{id}/audit", get(audit::for_sandbox))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));

@@ -103,3 +103,10 @@ pub async fn resume(
 ) -> ApiResult<Json<PauseResult>> {
     Ok(Json(st.sandboxes.resume(&id, req).await?))
 }
+
+/// Disk used by templates, snapshot layers (each once) and sandboxes' writable layers.
+#[utoipa::path(get, path = "/v1/system/df", tag = "snapshots",
+    responses((status = 200, body = moat_api::DiskUsage)))]
+pub async fn disk_usage(State(st): St) -> ApiResult<Json<moat_api::DiskUsage>> {
+    Ok(Json(st.sandboxes.disk_usage().await?))
+}

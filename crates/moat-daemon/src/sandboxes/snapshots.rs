@@ -117,6 +117,53 @@ impl Sandboxes {
         }
     }
 
+    /// Disk used by templates, the layer store and sandboxes' writable layers.
+    pub async fn disk_usage(&self) -> ApiResult<moat_api::DiskUsage> {
+        let templates: Vec<moat_api::DiskUsageItem> = self
+            .db
+            .list_templates()?
+            .into_iter()
+            .map(|t| moat_api::DiskUsageItem {
+                name: t.name,
+                count: 1,
+                bytes: t.size_bytes,
+            })
+            .collect();
+        let store = self.layers.clone();
+        let (count, bytes) = tokio::task::spawn_blocking(move || store.usage())
+            .await
+            .map_err(|e| ApiError::internal(format!("layer usage: {e}")))?;
+        let mut sandboxes = moat_api::DiskUsageItem {
+            name: "sandboxes".into(),
+            count: 0,
+            bytes: 0,
+        };
+        for rec in self.db.list_sandboxes()? {
+            let (Some(tier), Some(state)) = (self.tiers.get(&rec.isolation), &rec.tier_state)
+            else {
+                continue;
+            };
+            sandboxes.count += 1;
+            if let Ok(u) = tier.usage(&rec.id, state).await {
+                sandboxes.bytes += u.disk_bytes;
+            }
+        }
+        let layers = moat_api::DiskUsageItem {
+            name: "layers".into(),
+            count,
+            bytes,
+        };
+        let total_bytes =
+            templates.iter().map(|t| t.bytes).sum::<u64>() + layers.bytes + sandboxes.bytes;
+        Ok(moat_api::DiskUsage {
+            templates,
+            layers,
+            snapshots: self.db.list_snapshots()?.len() as u64,
+            sandboxes,
+            total_bytes,
+        })
+    }
+
     /// Takes a snapshot of a running or paused sandbox.
     pub async fn snapshot(&self, id: &str, req: CreateSnapshotRequest) -> ApiResult<Snapshot> {
         if let Some(n) = &req.name {

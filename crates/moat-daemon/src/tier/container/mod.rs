@@ -486,6 +486,14 @@ impl IsolationTier for ContainerTier {
                 }
             }
         }
+        // A crash in the middle of a snapshot leaves the export view of a live sandbox mounted.
+        for id in live {
+            let view = self.dir(id).join("export");
+            if view.exists() {
+                mount::unmount_tree(&view)?;
+                let _ = std::fs::remove_dir(&view);
+            }
+        }
         let mut removed = Vec::new();
         for name in names.into_iter().filter(|n| !live.contains(n)) {
             self.destroy(&name, None)
