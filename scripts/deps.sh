@@ -16,6 +16,9 @@ packages=(
     busybox-static    # tiny root filesystems for fast tests
     coreutils
     curl              # tests talk to the daemon's unix socket
+    skopeo            # tests: makes docker-archive images and pushes to a test registry
+    docker-registry   # tests: a real OCI registry on 127.0.0.1
+    apache2-utils     # tests: htpasswd for the registry's basic auth
 )
 
 missing=()

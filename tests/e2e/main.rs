@@ -11,6 +11,7 @@ mod commands;
 mod escape;
 mod files;
 mod hardening;
+mod images;
 mod isolation;
 mod lifecycle;
 mod limits;

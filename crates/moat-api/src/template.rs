@@ -12,6 +12,9 @@ pub enum TemplateSource {
     Directory,
     /// Unpacked from a root filesystem tarball on the host.
     Tarball,
+    /// The layers of an OCI or Docker image: an image layout or `docker save` archive on the host, or
+    /// pulled from a registry.
+    Image,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,8 +54,27 @@ pub struct TemplateList {
 pub struct RegisterTemplateRequest {
     /// 1–63 characters of `[a-z0-9._-]`, starting with a letter or digit.
     pub name: String,
-    /// Absolute host path of a root filesystem directory or a (optionally gzip-compressed) tarball.
+    /// Absolute host path of a root filesystem directory, a (compressed) root filesystem tarball, an
+    /// OCI image layout (directory or tar) or a `docker save` archive (recognised by their
+    /// `index.json` / `manifest.json`).
     pub path: String,
+}
+
+/// `POST /v1/templates/{name}/pull`: make a template from an image in an OCI registry.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PullTemplateRequest {
+    /// `[registry/]repository[:tag|@sha256:digest]`; Docker Hub when no registry is named.
+    pub image: String,
+    /// Registry user (basic auth, or to obtain a bearer token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+    /// Talk plain HTTP to the registry (a registry on localhost or a private network).
+    #[serde(default)]
+    pub insecure: bool,
 }
 
 /// One line of `POST /v1/templates/{name}/build` (`application/x-ndjson`).

@@ -317,10 +317,31 @@ pub enum TemplateCommand {
         #[arg(long, short = 'v')]
         verbose: bool,
     },
-    /// Register a root filesystem directory or tarball on the daemon's host as a template.
+    /// Register a root filesystem directory or tarball, an OCI image layout or a `docker save`
+    /// archive on the daemon's host as a template.
     Add {
         name: String,
         path: std::path::PathBuf,
+    },
+    /// Make a template from an image in an OCI registry (e.g. `python:3.12-slim`,
+    /// `ghcr.io/org/img:tag`, `127.0.0.1:5000/img`).
+    Pull {
+        name: String,
+        image: String,
+        /// Registry user.
+        #[arg(long, requires = "password")]
+        username: Option<String>,
+        /// Registry password or token.
+        #[arg(
+            long,
+            env = "MOAT_REGISTRY_PASSWORD",
+            hide_env_values = true,
+            requires = "username"
+        )]
+        password: Option<String>,
+        /// Plain HTTP to the registry.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Delete a template.
     #[command(alias = "delete")]

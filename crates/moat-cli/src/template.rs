@@ -24,6 +24,27 @@ pub async fn dispatch(client: &Client, cmd: TemplateCommand, json: bool) -> anyh
             print_template(&t, json)?;
             Ok(0)
         }
+        TemplateCommand::Pull {
+            name,
+            image,
+            username,
+            password,
+            insecure,
+        } => {
+            let t = client
+                .pull_template(
+                    &name,
+                    &moat_api::PullTemplateRequest {
+                        image,
+                        username,
+                        password,
+                        insecure,
+                    },
+                )
+                .await?;
+            print_template(&t, json)?;
+            Ok(0)
+        }
         TemplateCommand::Rm { name } => {
             client.delete_template(&name).await?;
             if json {

@@ -26,6 +26,19 @@ impl Client {
             .await
     }
 
+    /// `POST /v1/templates/{name}/pull`: a template from an image in an OCI registry.
+    pub async fn pull_template(
+        &self,
+        name: &str,
+        req: &moat_api::PullTemplateRequest,
+    ) -> Result<Template> {
+        self.send_json(
+            self.request(Method::POST, &["v1", "templates", name, "pull"])
+                .json(req),
+        )
+        .await
+    }
+
     /// `POST /v1/templates/{name}/build`: progress and log events, then `done` or `failed`.
     pub async fn build_template(&self, name: &str) -> Result<EventStream<BuildEvent>> {
         let resp = self

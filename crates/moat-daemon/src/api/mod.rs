@@ -47,7 +47,7 @@ pub type St = State<Arc<AppState>>;
         proxy::read_file, proxy::write_file, proxy::stat, proxy::exists, proxy::list_dir, proxy::mkdir,
         proxy::rename, proxy::remove, proxy::download_tar, proxy::upload_tar, proxy::watch,
         ws::process_ws,
-        templates::list, templates::get, templates::register, templates::build, templates::delete,
+        templates::list, templates::get, templates::register, templates::build, templates::pull, templates::delete,
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
         audit::list, audit::for_sandbox,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete, snapshots::fork,
@@ -163,6 +163,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(templates::get).delete(templates::delete),
         )
         .route("/v1/templates/{name}/build", post(templates::build))
+        .route("/v1/templates/{name}/pull", post(templates::pull))
         .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/v1/sandboxes/{id}/reset", post(snapshots::reset))
         .route("/v1/sandboxes/{id}/pause", post(snapshots::pause))

@@ -32,7 +32,8 @@ pub async fn get(State(st): St, Path(name): Path<String>) -> ApiResult<Json<Temp
     Ok(Json(st.sandboxes.templates.get(&st.sandboxes.db, &name)?))
 }
 
-/// Register a root filesystem directory or tarball on the daemon's host as a template.
+/// Register a root filesystem directory or tarball, an OCI image layout or a `docker save` archive on
+/// the daemon's host as a template.
 #[utoipa::path(post, path = "/v1/templates", tag = "templates", request_body = RegisterTemplateRequest,
     responses((status = 201, body = Template), (status = 400, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
 pub async fn register(
@@ -43,6 +44,25 @@ pub async fn register(
         .sandboxes
         .templates
         .register(&st.sandboxes.db, &req.name, &req.path)
+        .await?;
+    Ok((StatusCode::CREATED, Json(t)))
+}
+
+/// Make a template from an image in an OCI registry (Docker Hub, GHCR, a private registry): its
+/// layers are pulled, checked against their digests and applied in order.
+#[utoipa::path(post, path = "/v1/templates/{name}/pull", tag = "templates", params(("name" = String, Path)),
+    request_body = moat_api::PullTemplateRequest,
+    responses((status = 201, body = Template), (status = 400, body = moat_api::ErrorBody),
+              (status = 409, body = moat_api::ErrorBody), (status = 500, description = "the pull failed; the message says why", body = moat_api::ErrorBody)))]
+pub async fn pull(
+    State(st): St,
+    Path(name): Path<String>,
+    JsonBody(req): JsonBody<moat_api::PullTemplateRequest>,
+) -> ApiResult<(StatusCode, Json<Template>)> {
+    let t = st
+        .sandboxes
+        .templates
+        .pull(&st.sandboxes.db, &name, &req)
         .await?;
     Ok((StatusCode::CREATED, Json(t)))
 }

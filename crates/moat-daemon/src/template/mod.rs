@@ -5,4 +5,5 @@
 
 pub mod debootstrap;
 pub mod import;
+pub mod oci;
 pub mod store;

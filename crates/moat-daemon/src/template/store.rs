@@ -9,7 +9,7 @@ use anyhow::Context;
 use moat_api::{BuildEvent, ErrorCode, Template, TemplateSource, TemplateStatus};
 use tokio::sync::mpsc;
 
-use super::{debootstrap, import};
+use super::{debootstrap, import, oci};
 use crate::db::{Db, TemplateRecord};
 use crate::error::{ApiError, ApiResult};
 use crate::sandboxes::{now_ms, rfc3339};
@@ -170,17 +170,76 @@ impl TemplateStore {
                 "template {name} exists already"
             )));
         }
-        let source = if meta.is_dir() {
-            TemplateSource::Directory
-        } else {
-            TemplateSource::Tarball
+        let image = {
+            let src = src.clone();
+            tokio::task::spawn_blocking(move || oci::detect(&src))
+                .await
+                .map_err(|e| ApiError::internal(format!("inspect {path}: {e}")))?
+                .map_err(|e| ApiError::invalid("path", format!("{e:#}")))?
+        };
+        let source = match (image, meta.is_dir()) {
+            (Some(_), _) => TemplateSource::Image,
+            (None, true) => TemplateSource::Directory,
+            (None, false) => TemplateSource::Tarball,
         };
         self.produce(db, name, source, |target| async move {
-            if meta.is_dir() {
-                import::import_directory(&src, &target).await
-            } else {
-                import::import_tarball(&src, &target).await
+            match source {
+                TemplateSource::Image => {
+                    let work = target.with_file_name("work");
+                    let r = tokio::task::spawn_blocking(move || {
+                        std::fs::create_dir_all(&work)?;
+                        let r = oci::import_archive(&src, &target, &work);
+                        let _ = std::fs::remove_dir_all(&work);
+                        r
+                    })
+                    .await?;
+                    r
+                }
+                TemplateSource::Directory => import::import_directory(&src, &target).await,
+                _ => import::import_tarball(&src, &target).await,
             }
+        })
+        .await
+    }
+
+    /// Makes template `name` from an image pulled from an OCI registry.
+    pub async fn pull(
+        &self,
+        db: &Db,
+        name: &str,
+        req: &moat_api::PullTemplateRequest,
+    ) -> ApiResult<Template> {
+        moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
+        oci::ImageRef::parse(&req.image)
+            .map_err(|e| ApiError::invalid("image", format!("{e:#}")))?;
+        if req.username.is_some() != req.password.is_some() {
+            return Err(ApiError::invalid(
+                if req.username.is_some() {
+                    "password"
+                } else {
+                    "username"
+                },
+                "username and password go together",
+            ));
+        }
+        let _guard = self.build_lock.lock().await;
+        if db.get_template(name)?.is_some() {
+            return Err(ApiError::conflict(format!(
+                "template {name} exists already"
+            )));
+        }
+        let opts = oci::PullOptions {
+            username: req.username.clone(),
+            password: req.password.clone(),
+            insecure: req.insecure,
+        };
+        let image = req.image.clone();
+        self.produce(db, name, TemplateSource::Image, |target| async move {
+            let work = target.with_file_name("work");
+            std::fs::create_dir_all(&work)?;
+            let r = oci::pull(&image, &opts, &target, &work).await;
+            let _ = std::fs::remove_dir_all(&work);
+            r
         })
         .await
     }

@@ -15,6 +15,8 @@ DEFAULT_DATA_DIR = "/var/lib/moat"
 # Ordinary requests; streams (commands, watch, files) have no read timeout.
 REQUEST_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
+# Requests whose work grows with the sandbox or the count (snapshot, fork, reset): longer than the rest.
+LONG_REQUEST_TIMEOUT = httpx.Timeout(900.0, connect=10.0)
 
 
 @dataclass(frozen=True)

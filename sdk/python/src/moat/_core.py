@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from .exceptions import CommandExitException, CommandTimeoutError
-from .models import CommandResult, Execution, ExecutionError, ProcessEvent, Result
+from .exceptions import CommandExitException, CommandTimeoutError, InvalidArgumentError
+from .models import CommandResult, Execution, ExecutionError, ProcessEvent, Result, SnapshotInfo
 
 Cmd = Union[str, Sequence[str]]
+SnapshotRef = Union[str, SnapshotInfo]  # a snapshot id, its name, or the snapshot
 OutputHandler = Optional[Callable[[str], Any]]
 
 DEFAULT_COMMAND_TIMEOUT = 60.0
 
 
-def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation) -> Dict[str, Any]:
+def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, snapshot=None,
+                on_timeout=None) -> Dict[str, Any]:
     body: Dict[str, Any] = {}
     for k, v in (("template", template), ("timeout", timeout), ("cpu", cpu), ("memory_mb", memory_mb),
-                 ("isolation", isolation)):
+                 ("isolation", isolation), ("snapshot", snapshot_ref(snapshot)), ("on_timeout", on_timeout)):
         if v is not None:
             body[k] = v
     if envs:
@@ -32,6 +34,58 @@ def list_params(metadata: Optional[Dict[str, str]], state: Optional[str]) -> Lis
     if state:
         params.append(("state", state))
     return params
+
+
+# --- snapshots, forks, reset, pause -----------------------------------------------------------------
+
+def snapshot_ref(snapshot: Any) -> Optional[str]:
+    """A snapshot id or name, from a :class:`SnapshotInfo` or the string itself."""
+    return getattr(snapshot, "snapshot_id", snapshot)
+
+
+def snapshot_path(snapshot: Any, action: str = "") -> str:
+    ref = snapshot_ref(snapshot)
+    if not ref:
+        raise InvalidArgumentError("a snapshot id or name is required", code="invalid_argument", field="snapshot")
+    p = f"/v1/snapshots/{ref}"
+    return f"{p}/{action}" if action else p
+
+
+def snapshot_body(name, metadata, kind) -> Dict[str, Any]:
+    """``POST /v1/sandboxes/{id}/snapshots`` body."""
+    body: Dict[str, Any] = {k: v for k, v in (("name", name), ("kind", kind)) if v is not None}
+    if metadata:
+        body["metadata"] = dict(metadata)
+    return body
+
+
+def fork_body(count, timeout, metadata, envs, on_timeout) -> Dict[str, Any]:
+    """``POST /v1/snapshots/{id}/fork`` body (the daemon checks ``count``: 1..100)."""
+    body: Dict[str, Any] = {"count": count}
+    for k, v in (("timeout", timeout), ("on_timeout", on_timeout)):
+        if v is not None:
+            body[k] = v
+    if metadata:
+        body["metadata"] = dict(metadata)
+    if envs:
+        body["env"] = dict(envs)
+    return body
+
+
+def reset_body(snapshot) -> Dict[str, Any]:
+    ref = snapshot_ref(snapshot)
+    return {"snapshot": ref} if ref is not None else {}
+
+
+def resume_body(timeout) -> Dict[str, Any]:
+    return {"timeout": int(timeout)} if timeout is not None else {}
+
+
+def snapshot_matches(s: SnapshotInfo, sandbox_id: Optional[str], metadata: Optional[Dict[str, str]]) -> bool:
+    """The client-side filter of ``list_snapshots``."""
+    if sandbox_id is not None and s.sandbox_id != sandbox_id:
+        return False
+    return all(s.metadata.get(k) == v for k, v in (metadata or {}).items())
 
 
 def start_body(cmd: Cmd, *, background: bool, envs=None, cwd=None, user=None, timeout=None, stdin=False,

@@ -22,17 +22,59 @@ class SandboxInfo:
     cpu: float
     memory_mb: int
     hostname: str
+    #: What the sandbox does when its timeout passes: ``"kill"`` (default) or ``"pause"``.
+    on_timeout: str = "kill"
+    #: The snapshot it was started from (id), if any.
+    snapshot: Optional[str] = None
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "SandboxInfo":
         return cls(sandbox_id=d["id"], template=d["template"], isolation=d["isolation"], state=d["state"],
                    created_at=d["created_at"], expires_at=d["expires_at"], metadata=d.get("metadata") or {},
                    env_keys=d.get("env_keys") or [], cpu=d.get("cpu", 0.0), memory_mb=d.get("memory_mb", 0),
-                   hostname=d.get("hostname", ""))
+                   hostname=d.get("hostname", ""), on_timeout=d.get("on_timeout") or "kill",
+                   snapshot=d.get("snapshot"))
 
     @property
     def id(self) -> str:
         return self.sandbox_id
+
+
+@dataclass
+class SnapshotInfo:
+    """A snapshot (``GET /v1/snapshots/{id}``): a saved filesystem state that sandboxes start from."""
+
+    snapshot_id: str
+    #: ``"filesystem"`` (files only; sandboxes started from it run fresh processes) or ``"full"``.
+    kind: str
+    #: The sandbox it was taken from (which may be gone by now).
+    sandbox_id: str
+    template: str
+    isolation: str
+    #: Content digests (``sha256:...``) of its layers above the template, bottom first.
+    layers: List[str]
+    #: Bytes of the layer this snapshot added.
+    size_bytes: int
+    created_at: str
+    #: How long the source sandbox was frozen while the snapshot was taken, milliseconds.
+    frozen_ms: int
+    #: The source sandbox's limits (``cpu``, ``memory_mb``, ``pids``, ...); forks get them by default.
+    limits: Dict[str, Any] = field(default_factory=dict)
+    env_keys: List[str] = field(default_factory=list)
+    metadata: Dict[str, str] = field(default_factory=dict)
+    name: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "SnapshotInfo":
+        return cls(snapshot_id=d["id"], kind=d.get("kind", "filesystem"), sandbox_id=d.get("sandbox_id", ""),
+                   template=d.get("template", ""), isolation=d.get("isolation", ""), layers=d.get("layers") or [],
+                   size_bytes=d.get("size_bytes", 0), created_at=d.get("created_at", ""),
+                   frozen_ms=d.get("frozen_ms", 0), limits=d.get("limits") or {}, env_keys=d.get("env_keys") or [],
+                   metadata=d.get("metadata") or {}, name=d.get("name"))
+
+    @property
+    def id(self) -> str:
+        return self.snapshot_id
 
 
 @dataclass

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import _core
-from .._config import ConnectionConfig
+from .._config import LONG_REQUEST_TIMEOUT, ConnectionConfig
+from .._core import SnapshotRef
 from .._http import AsyncApi
-from ..exceptions import NotFoundError
-from ..models import Context, Execution, SandboxInfo
+from ..exceptions import ConflictError, NotFoundError
+from ..models import Context, Execution, SandboxInfo, SnapshotInfo
 from .commands import AsyncCommands
 from .files import AsyncFilesystem
 from .pty import AsyncPty
@@ -37,11 +38,13 @@ class AsyncSandbox:
     async def create(cls, template: Optional[str] = None, timeout: Optional[int] = None,
                      envs: Optional[Dict[str, str]] = None, metadata: Optional[Dict[str, str]] = None,
                      cpu: Optional[float] = None, memory_mb: Optional[int] = None, isolation: Optional[str] = None,
-                     api_key: Optional[str] = None, api_url: Optional[str] = None) -> "AsyncSandbox":
+                     api_key: Optional[str] = None, api_url: Optional[str] = None,
+                     snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None) -> "AsyncSandbox":
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("POST", "/v1/sandboxes",
-                               json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation))
+                               json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
+                                                      snapshot, on_timeout))
         except BaseException:
             await api.close()
             raise
@@ -49,10 +52,19 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(cls, sandbox_id: str, api_key: Optional[str] = None,
-                      api_url: Optional[str] = None) -> "AsyncSandbox":
+                      api_url: Optional[str] = None, timeout: Optional[int] = None) -> "AsyncSandbox":
+        """Attaches to an existing sandbox, resuming it first when it is paused (see :meth:`Sandbox.connect`)."""
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("GET", f"/v1/sandboxes/{sandbox_id}")
+            if d.get("state") == "paused":
+                try:
+                    d = (await api.json("POST", f"/v1/sandboxes/{sandbox_id}/resume",
+                                        json=_core.resume_body(timeout)))["sandbox"]
+                except ConflictError:  # resumed by someone else meanwhile: fine if it runs now
+                    d = await api.json("GET", f"/v1/sandboxes/{sandbox_id}")
+                    if d.get("state") == "paused":
+                        raise
         except BaseException:
             await api.close()
             raise
@@ -88,6 +100,79 @@ class AsyncSandbox:
             return (await self.get_info()).state == "running"
         except NotFoundError:
             return False
+
+    # -- pause, resume, reset (see Sandbox for the details) ---------------------------------------------
+
+    async def pause(self) -> None:
+        d = await self._api.json("POST", f"/v1/sandboxes/{self.id}/pause")
+        self._info = SandboxInfo.from_json(d["sandbox"])
+
+    async def resume(self, timeout: Optional[int] = None) -> bool:
+        """Thaws a paused sandbox; returns whether its processes were kept."""
+        d = await self._api.json("POST", f"/v1/sandboxes/{self.id}/resume", json=_core.resume_body(timeout))
+        self._info = SandboxInfo.from_json(d["sandbox"])
+        return bool(d.get("processes_kept"))
+
+    async def reset(self, snapshot: Optional[SnapshotRef] = None) -> None:
+        d = await self._api.json("POST", f"/v1/sandboxes/{self.id}/reset", json=_core.reset_body(snapshot),
+                                 timeout=LONG_REQUEST_TIMEOUT)
+        self._info = SandboxInfo.from_json(d)
+
+    # -- snapshots and forks ----------------------------------------------------------------------------
+
+    async def create_snapshot(self, name: Optional[str] = None, metadata: Optional[Dict[str, str]] = None,
+                              kind: Optional[str] = None) -> SnapshotInfo:
+        d = await self._api.json("POST", f"/v1/sandboxes/{self.id}/snapshots",
+                                 json=_core.snapshot_body(name, metadata, kind), timeout=LONG_REQUEST_TIMEOUT)
+        return SnapshotInfo.from_json(d)
+
+    @classmethod
+    async def fork(cls, snapshot: SnapshotRef, count: int, timeout: Optional[int] = None,
+                   metadata: Optional[Dict[str, str]] = None, envs: Optional[Dict[str, str]] = None,
+                   api_key: Optional[str] = None, api_url: Optional[str] = None,
+                   on_timeout: Optional[str] = None) -> List["AsyncSandbox"]:
+        """``count`` sandboxes from a snapshot, in order, each with its own connection."""
+        config = ConnectionConfig.resolve(api_key, api_url)
+        api = AsyncApi(config)
+        try:
+            d = await api.json("POST", _core.snapshot_path(snapshot, "fork"),
+                               json=_core.fork_body(count, timeout, metadata, envs, on_timeout),
+                               timeout=LONG_REQUEST_TIMEOUT)
+        finally:
+            await api.close()
+        return [cls(SandboxInfo.from_json(s), AsyncApi(config)) for s in d["sandboxes"]]
+
+    @staticmethod
+    async def list_snapshots(sandbox_id: Optional[str] = None, metadata: Optional[Dict[str, str]] = None,
+                             api_key: Optional[str] = None, api_url: Optional[str] = None) -> List[SnapshotInfo]:
+        api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
+        try:
+            d = await api.json("GET", "/v1/snapshots")
+        finally:
+            await api.close()
+        snaps = [SnapshotInfo.from_json(s) for s in d["snapshots"]]
+        return [s for s in snaps if _core.snapshot_matches(s, sandbox_id, metadata)]
+
+    @staticmethod
+    async def get_snapshot(snapshot_id: SnapshotRef, api_key: Optional[str] = None,
+                           api_url: Optional[str] = None) -> SnapshotInfo:
+        api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
+        try:
+            return SnapshotInfo.from_json(await api.json("GET", _core.snapshot_path(snapshot_id)))
+        finally:
+            await api.close()
+
+    @staticmethod
+    async def delete_snapshot(snapshot_id: SnapshotRef, api_key: Optional[str] = None,
+                              api_url: Optional[str] = None) -> bool:
+        api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
+        try:
+            await api.request("DELETE", _core.snapshot_path(snapshot_id))
+            return True
+        except NotFoundError:
+            return False
+        finally:
+            await api.close()
 
     async def run_code(self, code: str, language: Optional[str] = None, context: Optional[str] = None,
                        on_stdout: Optional[Callable[[str], Any]] = None,
