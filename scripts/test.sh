@@ -21,6 +21,11 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
+# Every daemon a test starts runs without sandbox networking unless the test builds its own network
+# namespaces (tests/e2e/network.rs passes --network nat inside them): no test routes sandbox traffic
+# out of this machine.
+export MOAT_NETWORK=none
+
 echo "== static agent"
 MOAT_AGENT=$(bash scripts/build-agent.sh)
 export MOAT_AGENT

@@ -52,6 +52,8 @@ pub struct Daemon {
     pub port: u16,
     extra_args: Vec<String>,
     child: Mutex<Option<Running>>,
+    /// Network namespace the daemon runs in (its API is reached through its unix socket).
+    netns: Option<String>,
 }
 
 struct Running {
@@ -87,6 +89,28 @@ impl Daemon {
             port,
             extra_args,
             child: Mutex::new(None),
+            netns: None,
+        };
+        d.spawn();
+        d
+    }
+
+    /// A daemon inside the network namespace `netns` (made by the test), with extra flags and a uid
+    /// range of its own. Its TCP listener is inside the namespace; `url` is a forwarder on this side's
+    /// loopback to its unix socket.
+    pub fn start_in_netns(data_dir: &Path, netns: &str, extra: &[&str]) -> Daemon {
+        std::fs::create_dir_all(data_dir).unwrap();
+        let fwd = unix_forwarder(data_dir.join("api.sock"));
+        let d = Daemon {
+            url: format!("http://127.0.0.1:{fwd}"),
+            data_dir: data_dir.to_path_buf(),
+            port: free_port(),
+            extra_args: ["--uid-base".to_string(), next_uid_base()]
+                .into_iter()
+                .chain(extra.iter().map(|s| s.to_string()))
+                .collect(),
+            child: Mutex::new(None),
+            netns: Some(netns.to_string()),
         };
         d.spawn();
         d
@@ -99,7 +123,15 @@ impl Daemon {
             .append(true)
             .open(self.data_dir.join("daemon.log"))
             .unwrap();
-        let mut cmd = Command::new(moat_bin());
+        let mut cmd = match &self.netns {
+            // nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup hierarchies.
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg(moat_bin());
+                c
+            }
+            None => Command::new(moat_bin()),
+        };
         cmd.args([
             "serve",
             "--listen",
@@ -112,6 +144,13 @@ impl Daemon {
         .arg("--unix-socket")
         .arg(self.data_dir.join("api.sock"))
         .args(&self.extra_args)
+        // No sandbox traffic leaves this machine in a test: networking only where a test passes
+        // --network itself (inside namespaces it made, tests/e2e/network.rs).
+        .args(if self.extra_args.iter().any(|a| a == "--network") {
+            &[][..]
+        } else {
+            &["--network", "none"][..]
+        })
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
@@ -137,13 +176,23 @@ impl Daemon {
         *self.child.lock().unwrap() = Some(Running { pid, exit: exit_rx });
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            let up = match self.netns {
+                Some(_) => {
+                    std::os::unix::net::UnixStream::connect(self.data_dir.join("api.sock")).is_ok()
+                }
+                None => std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok(),
+            };
+            if up {
                 break;
             }
             if let Ok(status) = self.child.lock().unwrap().as_ref().unwrap().exit.try_recv() {
+                let log =
+                    std::fs::read_to_string(self.data_dir.join("daemon.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
                 panic!(
-                    "daemon exited with {status}; see {}/daemon.log",
-                    self.data_dir.display()
+                    "daemon exited with {status}; {}/daemon.log ends:\n{}",
+                    self.data_dir.display(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
                 );
             }
             assert!(
@@ -574,4 +623,30 @@ fn ensure_template(client: Client, name: &'static str) {
     })
     .join()
     .unwrap_or_else(|_| panic!("template {name} build"));
+}
+
+/// A TCP listener on 127.0.0.1 whose connections are relayed to the unix socket `path` (which may not
+/// exist yet); returns its port. Lives as long as the test binary.
+pub fn unix_forwarder(path: PathBuf) -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(tcp) = conn else { continue };
+            let Ok(unix) = std::os::unix::net::UnixStream::connect(&path) else {
+                continue;
+            };
+            let (mut t2, mut u2) = (tcp.try_clone().unwrap(), unix.try_clone().unwrap());
+            let (mut t1, mut u1) = (tcp, unix);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut t1, &mut u1);
+                let _ = u1.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut u2, &mut t2);
+                let _ = t2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    port
 }

@@ -15,6 +15,7 @@ mod images;
 mod isolation;
 mod lifecycle;
 mod limits;
+mod network;
 mod pool;
 mod restart;
 mod snapshots;

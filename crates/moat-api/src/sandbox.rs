@@ -139,6 +139,9 @@ pub struct CreateSandboxRequest {
     /// `kill` (default) or `pause` when the timeout or idle timeout passes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_timeout: Option<crate::OnTimeout>,
+    /// Egress policy (see docs/network.md); the daemon's default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::NetworkPolicy>,
 }
 
 /// The resource limits of a sandbox, as set at create (defaults from the daemon's configuration).
@@ -226,6 +229,10 @@ pub struct Sandbox {
     /// state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
+    /// Its address and egress policy; absent when the daemon runs without sandbox networking
+    /// (`--network none`: loopback only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::NetworkInfo>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -72,6 +72,12 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Start sandboxes from a snapshot and print their ids.
     Fork(ForkArgs),
+    /// Show a sandbox's address and egress policy, or replace the policy (with policy flags).
+    Network {
+        id: String,
+        #[command(flatten)]
+        net: NetArgs,
+    },
     /// Host-level information.
     #[command(subcommand)]
     System(SystemCommand),
@@ -169,6 +175,43 @@ pub struct CreateArgs {
     /// What to do when the timeout passes.
     #[arg(long, value_parser = ["kill", "pause"])]
     pub on_timeout: Option<String>,
+    #[command(flatten)]
+    pub net: NetArgs,
+}
+
+/// Egress policy flags (see docs/network.md).
+#[derive(Debug, Clone, Default, Args)]
+pub struct NetArgs {
+    /// No public internet (only what --allow-out names).
+    #[arg(long, conflicts_with = "allow_internet")]
+    pub no_internet: bool,
+    /// Public internet allowed (the default).
+    #[arg(long)]
+    pub allow_internet: bool,
+    /// IPv4 address or CIDR allowed even without internet or when private (repeatable).
+    #[arg(long, value_name = "CIDR")]
+    pub allow_out: Vec<String>,
+    /// IPv4 address or CIDR refused (repeatable; allow beats deny).
+    #[arg(long, value_name = "CIDR")]
+    pub deny_out: Vec<String>,
+}
+
+impl NetArgs {
+    /// The policy these flags ask for; None when none was given.
+    pub fn policy(&self) -> Option<moat_api::NetworkPolicy> {
+        if !self.no_internet
+            && !self.allow_internet
+            && self.allow_out.is_empty()
+            && self.deny_out.is_empty()
+        {
+            return None;
+        }
+        Some(moat_api::NetworkPolicy {
+            allow_internet: !self.no_internet,
+            allow_out: self.allow_out.clone(),
+            deny_out: self.deny_out.clone(),
+        })
+    }
 }
 
 impl CreateArgs {

@@ -98,6 +98,7 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Snapshot(cmd) => snapshot::dispatch(&client, cmd, json).await,
         Command::Fork(args) => snapshot::fork(&client, &args, json).await,
         Command::System(cli::SystemCommand::Df) => snapshot::df(&client, json).await,
+        Command::Network { id, net } => sandbox::network(&client, &id, &net, json).await,
         Command::Ps { id } => exec::ps(&client, &id, json).await,
         Command::Stats { id } => sandbox::stats(&client, id.as_deref(), json).await,
         Command::Kill {

@@ -30,6 +30,7 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
             Some("kill") => Some(moat_api::OnTimeout::Kill),
             _ => None,
         },
+        network: args.net.policy(),
     })
 }
 
@@ -190,6 +191,40 @@ pub async fn set_timeout(client: &Client, id: &str, secs: u64, json: bool) -> an
         print_json(&sbx)?;
     } else {
         println!("{} expires at {}", sbx.id, sbx.expires_at);
+    }
+    Ok(0)
+}
+
+/// `moat network ID [policy flags]`: show, or replace the egress policy.
+pub async fn network(
+    client: &Client,
+    id: &str,
+    net: &crate::cli::NetArgs,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let info = match net.policy() {
+        Some(p) => client.set_network(id, &p).await?,
+        None => client.get_network(id).await?,
+    };
+    if json {
+        print_json(&info)?;
+    } else {
+        let p = &info.policy;
+        println!("ip {} gateway {}", info.ip, info.gateway);
+        println!(
+            "internet {}",
+            if p.allow_internet {
+                "allowed"
+            } else {
+                "blocked"
+            }
+        );
+        for a in &p.allow_out {
+            println!("allow {a}");
+        }
+        for d in &p.deny_out {
+            println!("deny {d}");
+        }
     }
     Ok(0)
 }

@@ -65,6 +65,25 @@ impl Client {
             .await
     }
 
+    /// `GET /v1/sandboxes/{id}/network`
+    pub async fn get_network(&self, id: &str) -> Result<moat_api::NetworkInfo> {
+        self.send_json(self.request(Method::GET, &["v1", "sandboxes", id, "network"]))
+            .await
+    }
+
+    /// `PUT /v1/sandboxes/{id}/network`: replace the egress policy.
+    pub async fn set_network(
+        &self,
+        id: &str,
+        policy: &moat_api::NetworkPolicy,
+    ) -> Result<moat_api::NetworkInfo> {
+        self.send_json(
+            self.request(Method::PUT, &["v1", "sandboxes", id, "network"])
+                .json(policy),
+        )
+        .await
+    }
+
     /// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout_secs` from now.
     pub async fn set_timeout(&self, id: &str, timeout_secs: u64) -> Result<Sandbox> {
         self.send_json(

@@ -78,6 +78,19 @@ pub struct ServeArgs {
     /// Audit log entries older than this many days are deleted (at start and hourly); 0: kept for ever.
     #[arg(long, env = "MOAT_AUDIT_RETENTION_DAYS", default_value_t = 30)]
     pub audit_retention_days: u64,
+    /// Sandbox networking: `nat` (each sandbox gets an address, NAT out of the host under its egress
+    /// policy) or `none` (loopback only).
+    #[arg(long, env = "MOAT_NETWORK", default_value = "nat", value_parser = ["nat", "none"])]
+    pub network: String,
+    /// IPv4 subnet sandbox addresses come from (a /30 per sandbox; at least a /18).
+    #[arg(long, env = "MOAT_SUBNET", default_value = "10.200.0.0/16")]
+    pub subnet: String,
+    /// Interface sandbox traffic leaves the host by (NAT); default: the default route's.
+    #[arg(long, env = "MOAT_UPLINK")]
+    pub uplink: Option<String>,
+    /// Resolver sandbox DNS queries go to; default: the host's first non-loopback nameserver.
+    #[arg(long, env = "MOAT_DNS")]
+    pub dns: Option<std::net::Ipv4Addr>,
     /// The audit log keeps at most this many entries (the oldest go first); 0: no cap.
     #[arg(long, env = "MOAT_AUDIT_MAX_ENTRIES", default_value_t = 1_000_000)]
     pub audit_max_entries: u64,

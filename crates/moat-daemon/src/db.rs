@@ -72,6 +72,8 @@ const MIGRATIONS: &[&str] = &[
         env TEXT NOT NULL,
         metadata TEXT NOT NULL
     );",
+    // 6: a sandbox's egress policy (JSON of moat_api::NetworkPolicy; NULL without networking).
+    "ALTER TABLE sandboxes ADD COLUMN network TEXT;",
 ];
 
 /// A sandbox row.
@@ -101,6 +103,8 @@ pub struct SandboxRecord {
     /// The snapshot it started from or was last reset to.
     pub snapshot: Option<String>,
     pub on_timeout: moat_api::OnTimeout,
+    /// Egress policy; None when the daemon runs without sandbox networking.
+    pub network: Option<moat_api::NetworkPolicy>,
 }
 
 /// A snapshot row.
@@ -133,6 +137,7 @@ pub struct Claim {
     pub memory_mb: u64,
     pub limits: moat_api::SandboxLimits,
     pub on_timeout: moat_api::OnTimeout,
+    pub network: Option<moat_api::NetworkPolicy>,
 }
 
 /// A template row.
@@ -196,6 +201,10 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
         layers: parse_json(&r.get::<_, String>("layers")?)?,
         snapshot: r.get("snapshot")?,
         on_timeout: parse_enum(&r.get::<_, String>("on_timeout")?)?,
+        network: r
+            .get::<_, Option<String>>("network")?
+            .map(|s| parse_json(&s))
+            .transpose()?,
     })
 }
 
@@ -309,8 +318,8 @@ impl Db {
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
                                     cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms,
-                                    layers, snapshot, on_timeout)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
+                                    layers, snapshot, on_timeout, network)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)",
             params![
                 rec.id,
                 rec.template,
@@ -331,6 +340,10 @@ impl Db {
                 serde_json::to_string(&rec.layers)?,
                 rec.snapshot,
                 enum_str(&rec.on_timeout),
+                rec.network
+                    .as_ref()
+                    .map(serde_json::to_string)
+                    .transpose()?,
             ],
         )?;
         tx.commit()?;
@@ -418,7 +431,8 @@ impl Db {
         let id: Option<String> = self.with(|c| {
             c.query_row(
                 "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
-                        cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2, on_timeout = ?9
+                        cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2, on_timeout = ?9,
+                        network = ?10
                  WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
                              ORDER BY created_at_ms LIMIT 1)
                  RETURNING id",
@@ -431,7 +445,11 @@ impl Db {
                     claim.cpu,
                     claim.memory_mb as i64,
                     serde_json::to_string(&claim.limits).unwrap_or_else(|_| "{}".into()),
-                    enum_str(&claim.on_timeout)
+                    enum_str(&claim.on_timeout),
+                    claim
+                        .network
+                        .as_ref()
+                        .and_then(|n| serde_json::to_string(n).ok())
                 ],
                 |r| r.get(0),
             )
@@ -493,6 +511,18 @@ impl Db {
 
     pub fn delete_template(&self, name: &str) -> Result<()> {
         self.with(|c| c.execute("DELETE FROM templates WHERE name = ?1", [name]))?;
+        Ok(())
+    }
+
+    /// Records a sandbox's new egress policy.
+    pub fn set_network(&self, id: &str, policy: &moat_api::NetworkPolicy) -> Result<()> {
+        let json = serde_json::to_string(policy)?;
+        self.with(|c| {
+            c.execute(
+                "UPDATE sandboxes SET network = ?2 WHERE id = ?1",
+                params![id, json],
+            )
+        })?;
         Ok(())
     }
 
@@ -626,6 +656,7 @@ mod tests {
             layers: Vec::new(),
             snapshot: None,
             on_timeout: moat_api::OnTimeout::Kill,
+            network: None,
         }
     }
 
@@ -673,6 +704,7 @@ mod tests {
             memory_mb: 128,
             limits: moat_api::SandboxLimits::default(),
             on_timeout: moat_api::OnTimeout::Pause,
+            network: None,
         };
         assert!(db
             .claim_pooled(&Claim {

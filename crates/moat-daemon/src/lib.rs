@@ -55,6 +55,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         args.uid_base,
         &host::cgroup::parent_for(&args.data_dir),
         !args.no_hardening,
+        network_for(&args)?,
     )?;
     let cgroups = container.cgroups().clone();
     if args.no_hardening {
@@ -276,6 +277,40 @@ pub fn maybe_sandbox_init() -> Option<i32> {
         .and_then(|a| a.into_string().ok())
         .unwrap_or_default();
     Some(tier::container::init::main(&config))
+}
+
+/// Sandbox networking as configured (`--network`, `--subnet`, `--uplink`, `--dns`).
+fn network_for(args: &config::ServeArgs) -> Result<Option<host::net::Network>> {
+    if args.network == "none" {
+        tracing::info!("sandbox networking off (--network none): sandboxes have loopback only");
+        return Ok(None);
+    }
+    let dns = match args.dns {
+        Some(d) => d,
+        None => ["/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"]
+            .iter()
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .find_map(|t| host::net::upstream_dns(&t))
+            .context(
+                "no non-loopback nameserver in /etc/resolv.conf for sandbox DNS; pass --dns",
+            )?,
+    };
+    let uplink = args
+        .uplink
+        .clone()
+        .or_else(host::net::default_route_interface);
+    let h = hex::encode(sha2::Sha256::digest(
+        args.data_dir.as_os_str().as_encoded_bytes(),
+    ));
+    let net = host::net::Network::new(
+        &h,
+        &args.subnet,
+        uplink.clone(),
+        dns,
+        tier::container::MAX_SLOTS,
+    )?;
+    tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, "sandbox networking: NAT");
+    Ok(Some(net))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use moat_api::{
     AgentConfig, CreateSandboxRequest, ErrorCode, Isolation, Sandbox, SandboxLimits, SandboxState,
     SandboxStats,
@@ -121,7 +121,25 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         limits: r.limits.clone(),
         on_timeout: r.on_timeout,
         snapshot: r.snapshot.clone(),
+        network: None,
     }
+}
+
+/// Checks every entry of an egress policy (the error names the entry).
+fn validate_policy(p: &moat_api::NetworkPolicy) -> ApiResult<()> {
+    for (list, entries) in [("allow_out", &p.allow_out), ("deny_out", &p.deny_out)] {
+        if entries.len() > 1000 {
+            return Err(ApiError::invalid(
+                &format!("network.{list}"),
+                "at most 1000 entries",
+            ));
+        }
+        for (i, e) in entries.iter().enumerate() {
+            moat_api::parse_cidr(e)
+                .map_err(|m| ApiError::invalid(&format!("network.{list}[{i}]"), m))?;
+        }
+    }
+    Ok(())
 }
 
 /// Checks metadata labels (of a sandbox or a snapshot).
@@ -297,6 +315,79 @@ impl Sandboxes {
         Ok(())
     }
 
+    /// A sandbox as the API shows it (with its network, which the tier knows).
+    fn api(&self, r: &SandboxRecord) -> Sandbox {
+        let mut out = to_api(r);
+        if let (Some(policy), Some(tier)) = (&r.network, self.tiers.get(&r.isolation)) {
+            if let Some((gw, ip)) = tier.network_addresses(r.slot) {
+                out.network = Some(moat_api::NetworkInfo {
+                    ip: ip.to_string(),
+                    gateway: gw.to_string(),
+                    policy: policy.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Whether sandboxes of this tier get a network (`moat serve --network nat`).
+    fn networking(&self, isolation: Isolation) -> bool {
+        self.tiers
+            .get(&isolation)
+            .is_some_and(|t| t.network_addresses(0).is_some())
+    }
+
+    /// The egress policy a create asks for, checked; None without networking.
+    fn network_policy(
+        &self,
+        isolation: Isolation,
+        asked: Option<&moat_api::NetworkPolicy>,
+    ) -> ApiResult<Option<moat_api::NetworkPolicy>> {
+        if !self.networking(isolation) {
+            return match asked {
+                Some(_) => Err(ApiError::invalid(
+                    "network",
+                    "sandbox networking is off on this daemon (moat serve --network none)",
+                )),
+                None => Ok(None),
+            };
+        }
+        let policy = asked.cloned().unwrap_or_default();
+        validate_policy(&policy)?;
+        Ok(Some(policy))
+    }
+
+    /// `PUT /v1/sandboxes/{id}/network`: a new egress policy, in force at once.
+    pub async fn set_network(
+        &self,
+        id: &str,
+        policy: moat_api::NetworkPolicy,
+    ) -> ApiResult<moat_api::NetworkInfo> {
+        let rec = self.record(id)?;
+        if rec.network.is_none() {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} has no network (moat serve --network none)"
+            )));
+        }
+        validate_policy(&policy)?;
+        let tier = self.tier(rec.isolation)?;
+        tier.set_network_policy(rec.slot, &policy)
+            .await
+            .map_err(|e| ApiError::internal(format!("network policy of {id}: {e:#}")))?;
+        self.db.set_network(id, &policy)?;
+        tracing::info!(sandbox = %id, ?policy, "network policy replaced");
+        self.network(id)
+    }
+
+    /// `GET /v1/sandboxes/{id}/network`
+    pub fn network(&self, id: &str) -> ApiResult<moat_api::NetworkInfo> {
+        self.get(id)?.network.ok_or_else(|| {
+            ApiError::conflict(format!(
+                "sandbox {id} has no network (moat serve --network none)"
+            ))
+        })
+    }
+
     pub fn tier_infos(&self) -> Vec<moat_api::TierInfo> {
         let mut out: Vec<moat_api::TierInfo> =
             [Isolation::Container, Isolation::Gvisor, Isolation::Microvm]
@@ -401,6 +492,7 @@ impl Sandboxes {
             .map_err(|m| ApiError::invalid("template", m))?;
         let template_rootfs = self.templates.ensure(&self.db, &template).await?;
 
+        let network = self.network_policy(isolation, req.network.as_ref())?;
         let limits = match &snapshot {
             Some(s) => limits_over(&s.limits, &req),
             None => self.limits_for(&req),
@@ -419,6 +511,7 @@ impl Sandboxes {
             memory_mb: limits.memory_mb,
             limits,
             on_timeout: req.on_timeout.unwrap_or_default(),
+            network,
         };
         let defaults = self.limits_for(&CreateSandboxRequest::default());
         // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
@@ -428,13 +521,13 @@ impl Sandboxes {
             && fixed(&claim.limits) == fixed(&defaults)
         {
             if let Some(rec) = self.claim(&claim, &tier).await {
-                return Ok(to_api(&rec));
+                return Ok(self.api(&rec));
             }
         }
         let rec = self.new_record(claim, isolation, snapshot.as_ref());
         let rec = self.start_new(rec, tier, template_rootfs).await?;
         tracing::info!(sandbox = %rec.id, template = %rec.template, snapshot = ?rec.snapshot, "created");
-        Ok(to_api(&rec))
+        Ok(self.api(&rec))
     }
 
     /// A new (not yet inserted) sandbox row.
@@ -465,6 +558,7 @@ impl Sandboxes {
             layers: snapshot.map(|s| s.layers.clone()).unwrap_or_default(),
             snapshot: snapshot.map(|s| s.id.clone()),
             on_timeout: claim.on_timeout,
+            network: claim.network,
         }
     }
 
@@ -491,6 +585,11 @@ impl Sandboxes {
             let cg = |l: &SandboxLimits| (l.cpu, l.memory_mb, l.pids);
             if cg(&claim.limits) != cg(&defaults) {
                 tier.set_limits(&rec.id, &state, &claim.limits).await?;
+            }
+            if let Some(policy) = &claim.network {
+                if *policy != moat_api::NetworkPolicy::default() {
+                    tier.set_network_policy(rec.slot, policy).await?;
+                }
             }
             let agent = self
                 .agent(&rec.id)
@@ -585,6 +684,7 @@ impl Sandboxes {
             env: rec.env.clone(),
             limits: rec.limits.clone(),
             slot: rec.slot,
+            network: rec.network.clone(),
         };
         let config = agent_config(&rec.limits, tier.oom_counter_inside());
         let state = tier.create(&spec).await?;
@@ -647,6 +747,9 @@ impl Sandboxes {
             layers: Vec::new(),
             snapshot: None,
             on_timeout: moat_api::OnTimeout::Kill,
+            network: self
+                .networking(Isolation::Container)
+                .then(moat_api::NetworkPolicy::default),
         };
         let rec = self.start_new(rec, tier, rootfs).await?;
         tracing::debug!(sandbox = %rec.id, "added to the warm pool");
@@ -772,7 +875,7 @@ impl Sandboxes {
     }
 
     pub fn get(&self, id: &str) -> ApiResult<Sandbox> {
-        self.record(id).map(|r| to_api(&r))
+        self.record(id).map(|r| self.api(&r))
     }
 
     pub fn list(&self, filter: &ListFilter) -> ApiResult<Vec<Sandbox>> {
@@ -788,7 +891,7 @@ impl Sandboxes {
                     .iter()
                     .all(|(k, v)| r.metadata.get(k) == Some(v))
             })
-            .map(to_api)
+            .map(|r| self.api(r))
             .collect())
     }
 
@@ -1018,7 +1121,22 @@ impl Sandboxes {
                 tracing::error!("{e:#}");
             }
         }
-        for tier in self.tiers.values() {
+        let mut policies: HashMap<
+            Isolation,
+            std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,
+        > = HashMap::new();
+        for rec in self.db.list_sandboxes()? {
+            if let (true, Some(p)) = (live.contains(&rec.id), rec.network) {
+                policies
+                    .entry(rec.isolation)
+                    .or_default()
+                    .insert(rec.slot, p);
+            }
+        }
+        for (isolation, tier) in &self.tiers {
+            tier.restore_network(&policies.remove(isolation).unwrap_or_default())
+                .await
+                .context("restore sandbox networking")?;
             for name in tier.sweep(&live).await? {
                 tracing::warn!(leftover = %name, "swept");
             }

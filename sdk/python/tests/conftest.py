@@ -57,7 +57,9 @@ class Daemon:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [BIN, "serve", "--listen", self.url[len("http://"):], "--data-dir", self.data_dir, "--agent", AGENT,
-             "--uid-base", UID_BASE, "--pool-size", "0", "--default-template", "base"],
+             "--uid-base", UID_BASE, "--pool-size", "0", "--default-template", "base",
+             # Tests never give sandboxes a way out of the host (network safety rules).
+             "--network", "none"],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.api_key = self._wait_ready()
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.api_key}"},

@@ -41,7 +41,7 @@ pub type St = State<Arc<AppState>>;
     paths(
         health,
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
-        sandboxes::stats,
+        sandboxes::stats, sandboxes::get_network, sandboxes::set_network,
         proxy::start_process, proxy::list_processes, proxy::process_events, proxy::process_stdin,
         proxy::process_close_stdin, proxy::process_signal, proxy::process_resize,
         proxy::read_file, proxy::write_file, proxy::stat, proxy::exists, proxy::list_dir, proxy::mkdir,
@@ -98,6 +98,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
+        .route(
+            "/v1/sandboxes/{id}/network",
+            get(sandboxes::get_network).put(sandboxes::set_network),
+        )
         .route(
             "/v1/sandboxes/{id}/processes",
             post(proxy::start_process).get(proxy::list_processes),

@@ -109,3 +109,27 @@ pub async fn set_timeout(
 ) -> ApiResult<Json<Sandbox>> {
     Ok(Json(st.sandboxes.set_timeout(&id, req.timeout)?))
 }
+
+/// A sandbox's address and egress policy.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/network", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = moat_api::NetworkInfo), (status = 404, body = moat_api::ErrorBody),
+              (status = 409, description = "the daemon runs without sandbox networking", body = moat_api::ErrorBody)))]
+pub async fn get_network(
+    State(st): St,
+    Path(id): Path<String>,
+) -> ApiResult<Json<moat_api::NetworkInfo>> {
+    Ok(Json(st.sandboxes.network(&id)?))
+}
+
+/// Replace a sandbox's egress policy; it is in force for new connections at once.
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", tag = "sandboxes", params(("id" = String, Path)),
+    request_body = moat_api::NetworkPolicy,
+    responses((status = 200, body = moat_api::NetworkInfo), (status = 400, body = moat_api::ErrorBody),
+              (status = 404, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
+pub async fn set_network(
+    State(st): St,
+    Path(id): Path<String>,
+    JsonBody(policy): JsonBody<moat_api::NetworkPolicy>,
+) -> ApiResult<Json<moat_api::NetworkInfo>> {
+    Ok(Json(st.sandboxes.set_network(&id, policy).await?))
+}

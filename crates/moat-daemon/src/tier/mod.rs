@@ -26,8 +26,10 @@ pub struct SandboxSpec {
     /// The environment the agent (and so every process) starts with.
     pub env: BTreeMap<String, String>,
     pub limits: SandboxLimits,
-    /// Index of the sandbox's host uid/gid range.
+    /// Index of the sandbox's host uid/gid range (and of its network address).
     pub slot: u32,
+    /// Egress policy; None: loopback only.
+    pub network: Option<moat_api::NetworkPolicy>,
 }
 
 /// What a sandbox uses now.
@@ -96,6 +98,19 @@ pub trait IsolationTier: Send + Sync {
         state: &serde_json::Value,
         dest: &std::path::Path,
     ) -> Result<std::time::Duration>;
+
+    /// The sandbox's (gateway, address) when the tier gives sandboxes a network.
+    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)>;
+
+    /// Replaces a running sandbox's egress policy.
+    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()>;
+
+    /// At start-up: (re)installs the network rules with the policies of the live sandboxes
+    /// (slot → policy) and removes what sandboxes that are gone left.
+    async fn restore_network(
+        &self,
+        live: &std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,
+    ) -> Result<()>;
 
     /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
     fn full_snapshot_unsupported(&self) -> Option<String>;

@@ -52,6 +52,10 @@ pub struct InitConfig {
     /// (for measuring what hardening costs) turns it off.
     #[serde(default = "yes")]
     pub harden: bool,
+    /// Contents of the sandbox's /etc/resolv.conf (its DNS is its gateway), written after the pivot;
+    /// None leaves the template's.
+    #[serde(default)]
+    pub resolv_conf: Option<String>,
 }
 
 fn yes() -> bool {
@@ -229,6 +233,12 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
     // The old root is now stacked under the new one at "/"; detach it so no host path stays reachable.
     umount2(".", MntFlags::MNT_DETACH).context("detach old root")?;
     std::env::set_current_dir("/").context("chdir /")?;
+    if let Some(text) = &cfg.resolv_conf {
+        // After the pivot: whatever /etc holds (a symlink a snapshot planted, say) resolves inside
+        // the sandbox. Best effort: a root filesystem without /etc keeps working.
+        let _ = std::fs::remove_file("/etc/resolv.conf");
+        let _ = std::fs::write("/etc/resolv.conf", text);
+    }
 
     let mut env = cfg.env.clone();
     env.entry("PATH".into())

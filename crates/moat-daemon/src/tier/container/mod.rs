@@ -55,6 +55,9 @@ pub struct ContainerState {
     pub agent_start_ticks: u64,
     /// Host uid (and gid) that root inside the sandbox maps to.
     pub host_uid: u32,
+    /// Its slot (uid range and network address), when it has a network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_slot: Option<u32>,
 }
 
 pub struct ContainerTier {
@@ -68,6 +71,8 @@ pub struct ContainerTier {
     uid_base: u32,
     /// Capability drop, seccomp and masked /proc paths (off only with `--no-hardening`).
     harden: bool,
+    /// Sandbox networking (None: loopback only).
+    net: Option<crate::host::net::Network>,
 }
 
 impl ContainerTier {
@@ -77,6 +82,7 @@ impl ContainerTier {
         uid_base: u32,
         cgroup_parent: &str,
         harden: bool,
+        net: Option<crate::host::net::Network>,
     ) -> Result<ContainerTier> {
         std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
         // 0711: the sandbox init (host uid of its range, not root) must traverse it to reach its rootfs;
@@ -93,6 +99,7 @@ impl ContainerTier {
             self_exe,
             uid_base,
             harden,
+            net,
         })
     }
 
@@ -171,6 +178,10 @@ impl ContainerTier {
             env: spec.env.clone(),
             oom_counter: self.cgroups.oom_counter_file(&spec.id),
             harden: self.harden,
+            resolv_conf: match (&self.net, &spec.network) {
+                (Some(n), Some(_)) => Some(format!("nameserver {}\n", n.addresses(spec.slot).0)),
+                _ => None,
+            },
         };
         let dir_fd: OwnedFd = std::fs::File::open(&dir)
             .with_context(|| format!("open {}", dir.display()))?
@@ -285,11 +296,19 @@ impl ContainerTier {
         let agent_pid = agent_pid.ok_or_else(|| anyhow!("sandbox init reported no pid"))?;
         let agent_start_ticks = proc::start_ticks(agent_pid)
             .ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
+        let net_slot = match (&self.net, &spec.network) {
+            (Some(net), Some(policy)) => {
+                net.attach(spec.slot, agent_pid, policy)?;
+                Some(spec.slot)
+            }
+            _ => None,
+        };
 
         Ok(ContainerState {
             agent_pid,
             agent_start_ticks,
             host_uid,
+            net_slot,
         })
     }
 
@@ -308,6 +327,9 @@ impl ContainerTier {
             reap(s.agent_pid);
         }
         killed?;
+        if let (Some(net), Some(slot)) = (&self.net, state.as_ref().and_then(|s| s.net_slot)) {
+            net.detach(slot)?;
+        }
         self.cgroups.remove(id)?;
         let dir = self.dir(id);
         mount::unmount_tree(&dir)?;
@@ -468,6 +490,38 @@ impl IsolationTier for ContainerTier {
         criu_unsupported()
     }
 
+    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)> {
+        self.net.as_ref().map(|n| n.addresses(slot))
+    }
+
+    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()> {
+        let Some(net) = self.net.clone() else {
+            bail!("sandbox networking is off (moat serve --network none)");
+        };
+        let policy = policy.clone();
+        tokio::task::spawn_blocking(move || net.set_policy(slot, &policy)).await?
+    }
+
+    async fn restore_network(
+        &self,
+        live: &std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,
+    ) -> Result<()> {
+        let Some(net) = self.net.clone() else {
+            return Ok(());
+        };
+        let live = live.clone();
+        tokio::task::spawn_blocking(move || {
+            net.install(&live)?;
+            let slots: HashSet<u32> = live.keys().copied().collect();
+            for slot in net.stale_interfaces(&slots) {
+                tracing::warn!(slot, "removing a leftover sandbox interface");
+                net.detach(slot)?;
+            }
+            anyhow::Ok(())
+        })
+        .await?
+    }
+
     async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
         let state = state.and_then(|s| parse_state(s).ok());
         let this = self.clone_handle();
@@ -610,6 +664,7 @@ impl ContainerTier {
             self_exe: self.self_exe.clone(),
             uid_base: self.uid_base,
             harden: self.harden,
+            net: self.net.clone(),
         }
     }
 }

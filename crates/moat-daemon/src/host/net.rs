@@ -1,0 +1,388 @@
+//! Sandbox networking: one veth pair per sandbox (no bridge: sandboxes share no link), a /30 per
+//! sandbox from the daemon's subnet, NAT out of the host, DNS redirected to the daemon's upstream
+//! resolver, and an nftables table that enforces what each sandbox may reach. See docs/network.md.
+//!
+//! The table (`inet moat_<hash>`, one per data dir) is written in one `nft -f` transaction at start-up
+//! (with a chain per live sandbox) and changed per sandbox by small transactions, so the rules are never
+//! half there. It stays in the kernel while the daemon is down: sandboxes that outlive the daemon stay
+//! confined. Host-side interfaces are named `<prefix>h<slot>`; the sweep removes those of slots no
+//! sandbox holds.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+use anyhow::{anyhow, bail, Context, Result};
+use moat_api::{parse_cidr, NetworkPolicy};
+
+/// Destinations no sandbox ever reaches: "this" network, loopback, link-local (cloud metadata at
+/// 169.254.169.254), multicast and reserved, broadcast.
+const NEVER: &[&str] = &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
+/// Private ranges, refused unless a sandbox's `allow_out` names them: RFC 1918, CGNAT (RFC 6598),
+/// benchmarking (RFC 2544), IETF protocol assignments.
+const PRIVATE: &[&str] = &[
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+];
+
+#[derive(Debug, Clone)]
+pub struct Network {
+    /// Interface name prefix, `mt` + 4 hex digits of the data dir's hash.
+    prefix: String,
+    table: String,
+    subnet: Ipv4Addr,
+    subnet_len: u8,
+    /// Masquerade only out of this interface; None: out of any interface that is not a sandbox's.
+    uplink: Option<String>,
+    dns: Ipv4Addr,
+}
+
+/// Runs a program with `input` on stdin; the error carries its stderr.
+fn run(argv: &[&str], input: &str) -> Result<()> {
+    let mut child = Command::new(argv[0])
+        .args(&argv[1..])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("run {}", argv[0]))?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow!("no stdin"))?
+        .write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{}: {}",
+            argv.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Interfaces of this process's network namespace (from /proc/net/dev: /sys/class/net shows the
+/// namespace of whoever mounted /sys, which for a daemon started with `nsenter --net` is another).
+fn interfaces() -> Vec<String> {
+    std::fs::read_to_string("/proc/net/dev")
+        .unwrap_or_default()
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next().map(|n| n.trim().to_string()))
+        .collect()
+}
+
+/// The first IPv4 nameserver of a resolv.conf that is not on loopback.
+pub fn upstream_dns(resolv_conf: &str) -> Option<Ipv4Addr> {
+    resolv_conf
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|a| a.trim().parse::<Ipv4Addr>().ok())
+        .find(|a| !a.is_loopback())
+}
+
+/// The interface of the default route (the uplink), from /proc/net/route.
+pub fn default_route_interface() -> Option<String> {
+    let t = std::fs::read_to_string("/proc/net/route").ok()?;
+    t.lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 2 && f[1] == "00000000")
+        .map(|f| f[0].to_string())
+}
+
+impl Network {
+    pub fn new(
+        id_hash: &str,
+        subnet: &str,
+        uplink: Option<String>,
+        dns: Ipv4Addr,
+        slots: u32,
+    ) -> Result<Network> {
+        let (base, len) = parse_cidr(subnet).map_err(|e| anyhow!("--subnet: {e}"))?;
+        let have = 1u64 << (32 - len as u32);
+        if have < slots as u64 * 4 {
+            bail!("--subnet {subnet} is too small: {slots} sandboxes need a /30 each (a /{} or larger)", 32 - (slots as u64 * 4).next_power_of_two().trailing_zeros());
+        }
+        if let Some(u) = &uplink {
+            if u.is_empty()
+                || u.len() > 15
+                || !u
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b))
+            {
+                bail!("--uplink {u:?} is not an interface name");
+            }
+        }
+        let h = &id_hash[..4];
+        Ok(Network {
+            prefix: format!("mt{h}"),
+            table: format!("moat_{h}"),
+            subnet: base,
+            subnet_len: len,
+            uplink,
+            dns,
+        })
+    }
+
+    /// Host-side (gateway) and sandbox addresses of a slot's /30.
+    pub fn addresses(&self, slot: u32) -> (Ipv4Addr, Ipv4Addr) {
+        let base = u32::from(self.subnet) + slot * 4;
+        (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
+    }
+
+    pub fn host_if(&self, slot: u32) -> String {
+        format!("{}h{slot}", self.prefix)
+    }
+
+    fn chain(slot: u32) -> String {
+        format!("sbx_{slot}")
+    }
+
+    /// The whole table: base chains plus one policy chain per live sandbox (slot → policy).
+    pub fn ruleset(&self, live: &BTreeMap<u32, NetworkPolicy>) -> Result<String> {
+        let p = &self.prefix;
+        let t = &self.table;
+        let mut never: Vec<String> = NEVER.iter().map(|s| s.to_string()).collect();
+        never.push(format!("{}/{}", self.subnet, self.subnet_len));
+        let masq = match &self.uplink {
+            Some(u) => format!("iifname \"{p}h*\" oifname \"{u}\" masquerade"),
+            None => format!("iifname \"{p}h*\" oifname != \"{p}h*\" masquerade"),
+        };
+        let mut s = format!(
+            "table inet {t} {{}}\ndelete table inet {t}\ntable inet {t} {{\n\
+             \tset never4 {{ type ipv4_addr; flags interval; elements = {{ {never} }} }}\n\
+             \tset private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }} }}\n\
+             \tmap by_if {{ type ifname : verdict; }}\n\
+             \tchain input {{ type filter hook input priority filter - 5; policy accept;\n\
+             \t\tiifname \"{p}h*\" ct state established,related accept\n\
+             \t\tiifname \"{p}h*\" drop\n\t}}\n\
+             \tchain forward {{ type filter hook forward priority filter - 5; policy accept;\n\
+             \t\toifname \"{p}h*\" ct state established,related accept\n\
+             \t\toifname \"{p}h*\" drop\n\
+             \t\tiifname \"{p}h*\" jump egress\n\t}}\n\
+             \tchain egress {{\n\
+             \t\tmeta nfproto ipv6 drop\n\
+             \t\tip daddr @never4 drop\n\
+             \t\tiifname vmap @by_if\n\
+             \t\tct status dnat meta l4proto {{ tcp, udp }} th dport 53 accept\n\
+             \t\tip daddr @private4 drop\n\
+             \t\taccept\n\t}}\n\
+             \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
+             \t\tiifname \"{p}h*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {dns}\n\t}}\n\
+             \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n\
+             \t\t{masq}\n\t}}\n}}\n",
+            never = never.join(", "),
+            private = PRIVATE.join(", "),
+            dns = self.dns,
+        );
+        for (slot, policy) in live {
+            s.push_str(&self.policy_commands(*slot, policy)?);
+        }
+        Ok(s)
+    }
+
+    /// nft commands that (re)make a slot's policy chain and point its interface at it.
+    fn policy_commands(&self, slot: u32, policy: &NetworkPolicy) -> Result<String> {
+        let t = &self.table;
+        let c = Self::chain(slot);
+        let cidrs = |list: &[String]| -> Result<String> {
+            let v = list
+                .iter()
+                .map(|e| {
+                    parse_cidr(e)
+                        .map(|(a, l)| format!("{a}/{l}"))
+                        .map_err(|m| anyhow!(m))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(v.join(", "))
+        };
+        let mut s = format!("add chain inet {t} {c}\nflush chain inet {t} {c}\n");
+        if !policy.allow_out.is_empty() {
+            s.push_str(&format!(
+                "add rule inet {t} {c} ip daddr {{ {} }} accept\n",
+                cidrs(&policy.allow_out)?
+            ));
+        }
+        if !policy.deny_out.is_empty() {
+            s.push_str(&format!(
+                "add rule inet {t} {c} ip daddr {{ {} }} drop\n",
+                cidrs(&policy.deny_out)?
+            ));
+        }
+        if !policy.allow_internet {
+            s.push_str(&format!("add rule inet {t} {c} drop\n"));
+        }
+        s.push_str(&format!(
+            "add element inet {t} by_if {{ \"{}\" : jump {c} }}\n",
+            self.host_if(slot)
+        ));
+        Ok(s)
+    }
+
+    /// Installs the table (replacing an older one atomically) and turns on IPv4 forwarding.
+    pub fn install(&self, live: &BTreeMap<u32, NetworkPolicy>) -> Result<()> {
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").context("enable IPv4 forwarding")?;
+        run(&["nft", "-f", "-"], &self.ruleset(live)?).context("install the nftables table")
+    }
+
+    /// Replaces a sandbox's policy (live: one transaction).
+    pub fn set_policy(&self, slot: u32, policy: &NetworkPolicy) -> Result<()> {
+        run(&["nft", "-f", "-"], &self.policy_commands(slot, policy)?)
+            .context("apply the network policy")
+    }
+
+    /// Gives the sandbox whose PID 1 is `pid` its `eth0`, address, route and policy.
+    pub fn attach(&self, slot: u32, pid: u32, policy: &NetworkPolicy) -> Result<()> {
+        let (gw, ip) = self.addresses(slot);
+        let host = self.host_if(slot);
+        let peer = format!("{}s{slot}", self.prefix);
+        // A leftover of a crash with the same name would make `link add` fail.
+        let _ = run(&["ip", "link", "del", &host], "");
+        self.set_policy(slot, policy)?;
+        run(
+            &["ip", "-batch", "-"],
+            &format!(
+                "link add {host} type veth peer name {peer}\n\
+                 link set {peer} netns {pid}\n\
+                 addr add {gw}/30 dev {host}\n\
+                 link set {host} up\n"
+            ),
+        )
+        .context("make the sandbox's veth pair")?;
+        let netns = format!("--net=/proc/{pid}/ns/net");
+        run(
+            &["nsenter", &netns, "ip", "-batch", "-"],
+            &format!(
+                "link set {peer} name eth0\n\
+                 addr add {ip}/30 dev eth0\n\
+                 link set eth0 up\n\
+                 route add default via {gw}\n"
+            ),
+        )
+        .context("configure the sandbox's eth0")
+    }
+
+    /// Removes a slot's interface (gone with the sandbox's namespace anyway) and its policy chain.
+    pub fn detach(&self, slot: u32) -> Result<()> {
+        let host = self.host_if(slot);
+        if interfaces().contains(&host) {
+            run(&["ip", "link", "del", &host], "")?;
+        }
+        let t = &self.table;
+        let c = Self::chain(slot);
+        // Element and chain may be gone already (a sweep); each delete is its own transaction.
+        let _ = run(
+            &["nft", "-f", "-"],
+            &format!("delete element inet {t} by_if {{ \"{host}\" }}\n"),
+        );
+        let _ = run(&["nft", "-f", "-"], &format!("delete chain inet {t} {c}\n"));
+        Ok(())
+    }
+
+    /// Host-side interfaces of this daemon whose slot is not in `live`.
+    pub fn stale_interfaces(&self, live: &std::collections::HashSet<u32>) -> Vec<u32> {
+        let pre = format!("{}h", self.prefix);
+        interfaces()
+            .iter()
+            .filter_map(|n| n.strip_prefix(&pre).and_then(|s| s.parse::<u32>().ok()))
+            .filter(|s| !live.contains(s))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net() -> Network {
+        Network::new(
+            "abcdef",
+            "10.200.0.0/16",
+            None,
+            "10.255.255.53".parse().unwrap(),
+            4096,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn addresses_per_slot() {
+        let n = net();
+        assert_eq!(
+            n.addresses(0),
+            ("10.200.0.1".parse().unwrap(), "10.200.0.2".parse().unwrap())
+        );
+        assert_eq!(
+            n.addresses(65),
+            ("10.200.1.5".parse().unwrap(), "10.200.1.6".parse().unwrap())
+        );
+        assert_eq!(n.host_if(4095), "mtabcdh4095");
+        assert!(n.host_if(4095).len() <= 15);
+        assert!(Network::new("abcd", "10.0.0.0/24", None, Ipv4Addr::LOCALHOST, 4096).is_err());
+        assert!(Network::new(
+            "abcd",
+            "10.0.0.0/16",
+            Some("bad name".into()),
+            Ipv4Addr::LOCALHOST,
+            4096
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn ruleset_has_the_fixed_blocks_and_policies() {
+        let n = net();
+        let mut live = BTreeMap::new();
+        live.insert(
+            3,
+            NetworkPolicy {
+                allow_internet: false,
+                allow_out: vec!["10.1.2.3".into()],
+                deny_out: vec!["8.8.8.0/24".into()],
+            },
+        );
+        let r = n.ruleset(&live).unwrap();
+        assert!(r.contains("169.254.0.0/16"), "{r}");
+        assert!(r.contains("10.200.0.0/16"), "{r}");
+        assert!(r.contains("dnat ip to 10.255.255.53"), "{r}");
+        assert!(
+            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 10.1.2.3/32 } accept"),
+            "{r}"
+        );
+        assert!(
+            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 8.8.8.0/24 } drop"),
+            "{r}"
+        );
+        assert!(r.contains("add rule inet moat_abcd sbx_3 drop"), "{r}");
+        assert!(r.contains("\"mtabcdh3\" : jump sbx_3"), "{r}");
+        // Allow comes before deny.
+        assert!(
+            r.find("accept\nadd rule inet moat_abcd sbx_3 ip daddr { 8.8")
+                .is_some(),
+            "{r}"
+        );
+        let bad = NetworkPolicy {
+            allow_out: vec!["example.com".into()],
+            ..Default::default()
+        };
+        assert!(n.set_policy(1, &bad).is_err());
+    }
+
+    #[test]
+    fn resolv_conf_and_routes() {
+        assert_eq!(
+            upstream_dns("# x\nnameserver 127.0.0.53\nnameserver 10.0.0.2\n"),
+            Some("10.0.0.2".parse().unwrap())
+        );
+        assert_eq!(upstream_dns("nameserver ::1\n"), None);
+    }
+}
