@@ -17,5 +17,6 @@ mod lifecycle;
 mod limits;
 mod network;
 mod pool;
+mod ports;
 mod restart;
 mod snapshots;

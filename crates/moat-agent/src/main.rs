@@ -10,6 +10,7 @@ mod pty;
 mod ring;
 mod server;
 mod tarops;
+mod tcp;
 mod users;
 mod watch;
 

@@ -115,6 +115,7 @@ async fn route(
         (["fs", "tar"], Method::GET) => tarops::download(query),
         (["fs", "tar"], Method::PUT) => tarops::upload(query, body).await,
         (["fs", "watch"], Method::GET) => watch::watch(query),
+        (["tcp"], Method::POST) => crate::tcp::tunnel(query, body).await,
         (
             ["health"]
             | ["env"]
@@ -122,6 +123,7 @@ async fn route(
             | ["processes"]
             | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
             | ["files"]
+            | ["tcp"]
             | ["fs"]
             | ["fs", "stat" | "exists" | "list" | "mkdir" | "rename" | "tar" | "watch"],
             _,

@@ -142,6 +142,10 @@ pub struct CreateSandboxRequest {
     /// Egress policy (see docs/network.md); the daemon's default when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::NetworkPolicy>,
+    /// Let anyone reach the sandbox's exposed ports (preview URLs) without its access token
+    /// (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_public_traffic: Option<bool>,
 }
 
 /// The resource limits of a sandbox, as set at create (defaults from the daemon's configuration).
@@ -233,6 +237,13 @@ pub struct Sandbox {
     /// (`--network none`: loopback only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::NetworkInfo>,
+    /// Token that opens the sandbox's ports (`X-Moat-Access-Token` header or `moat_access_token`
+    /// query parameter) to someone without the API key; see docs/ports.md.
+    #[serde(default)]
+    pub access_token: String,
+    /// Ports reachable without any token.
+    #[serde(default)]
+    pub allow_public_traffic: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -177,6 +177,9 @@ pub struct CreateArgs {
     pub on_timeout: Option<String>,
     #[command(flatten)]
     pub net: NetArgs,
+    /// Let anyone reach the sandbox's ports (preview URLs) without its access token.
+    #[arg(long)]
+    pub public_ports: bool,
 }
 
 /// Egress policy flags (see docs/network.md).

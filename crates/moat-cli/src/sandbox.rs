@@ -31,6 +31,7 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
             _ => None,
         },
         network: args.net.policy(),
+        allow_public_traffic: args.public_ports.then_some(true),
     })
 }
 

@@ -89,6 +89,61 @@ impl AgentClient {
             .map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
     }
 
+    /// A byte stream to TCP `port` inside the sandbox (the agent's `POST /tcp`), as one end of an
+    /// in-memory duplex pipe pumped to and from the agent's HTTP/2 stream.
+    pub async fn tcp_tunnel(&self, port: u16) -> Result<tokio::io::DuplexStream> {
+        use futures::StreamExt;
+        use http_body_util::BodyExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(8);
+        let body = Body::from_stream(crate::api::receiver_stream(rx));
+        let resp = self
+            .send(http::Method::POST, &format!("/tcp?port={port}"), None, body)
+            .await?;
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let msg = serde_json::from_slice::<moat_api::ErrorBody>(&bytes)
+                .map(|b| b.error.message)
+                .unwrap_or_else(|_| format!("agent answered {status}"));
+            bail!("{msg}");
+        }
+        let (ours, theirs) = tokio::io::duplex(64 << 10);
+        let (mut rd, mut wr) = tokio::io::split(theirs);
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if tx
+                            .send(Ok(bytes::Bytes::copy_from_slice(&buf[..n])))
+                            .await
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        let mut incoming = resp.into_body().into_data_stream();
+        tokio::spawn(async move {
+            while let Some(Ok(chunk)) = incoming.next().await {
+                if wr.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+            let _ = wr.shutdown().await;
+        });
+        Ok(ours)
+    }
+
     /// GETs JSON from the agent.
     pub async fn get_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
         use http_body_util::BodyExt;

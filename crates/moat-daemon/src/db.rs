@@ -74,6 +74,9 @@ const MIGRATIONS: &[&str] = &[
     );",
     // 6: a sandbox's egress policy (JSON of moat_api::NetworkPolicy; NULL without networking).
     "ALTER TABLE sandboxes ADD COLUMN network TEXT;",
+    // 7: exposed ports: the per-sandbox access token and whether ports are public.
+    "ALTER TABLE sandboxes ADD COLUMN access_token TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sandboxes ADD COLUMN public_traffic INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// A sandbox row.
@@ -105,6 +108,9 @@ pub struct SandboxRecord {
     pub on_timeout: moat_api::OnTimeout,
     /// Egress policy; None when the daemon runs without sandbox networking.
     pub network: Option<moat_api::NetworkPolicy>,
+    /// Opens the sandbox's exposed ports to holders without the API key.
+    pub access_token: String,
+    pub public_traffic: bool,
 }
 
 /// A snapshot row.
@@ -138,6 +144,7 @@ pub struct Claim {
     pub limits: moat_api::SandboxLimits,
     pub on_timeout: moat_api::OnTimeout,
     pub network: Option<moat_api::NetworkPolicy>,
+    pub public_traffic: bool,
 }
 
 /// A template row.
@@ -205,6 +212,8 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
             .get::<_, Option<String>>("network")?
             .map(|s| parse_json(&s))
             .transpose()?,
+        access_token: r.get("access_token")?,
+        public_traffic: r.get::<_, i64>("public_traffic")? != 0,
     })
 }
 
@@ -318,8 +327,9 @@ impl Db {
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
                                     cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms,
-                                    layers, snapshot, on_timeout, network)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)",
+                                    layers, snapshot, on_timeout, network, access_token, public_traffic)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
+                     ?21, ?22)",
             params![
                 rec.id,
                 rec.template,
@@ -344,6 +354,8 @@ impl Db {
                     .as_ref()
                     .map(serde_json::to_string)
                     .transpose()?,
+                rec.access_token,
+                rec.public_traffic as i64,
             ],
         )?;
         tx.commit()?;
@@ -432,7 +444,7 @@ impl Db {
             c.query_row(
                 "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
                         cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2, on_timeout = ?9,
-                        network = ?10
+                        network = ?10, public_traffic = ?11
                  WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
                              ORDER BY created_at_ms LIMIT 1)
                  RETURNING id",
@@ -449,7 +461,8 @@ impl Db {
                     claim
                         .network
                         .as_ref()
-                        .and_then(|n| serde_json::to_string(n).ok())
+                        .and_then(|n| serde_json::to_string(n).ok()),
+                    claim.public_traffic as i64
                 ],
                 |r| r.get(0),
             )
@@ -657,6 +670,8 @@ mod tests {
             snapshot: None,
             on_timeout: moat_api::OnTimeout::Kill,
             network: None,
+            access_token: "t".into(),
+            public_traffic: false,
         }
     }
 
@@ -705,6 +720,7 @@ mod tests {
             limits: moat_api::SandboxLimits::default(),
             on_timeout: moat_api::OnTimeout::Pause,
             network: None,
+            public_traffic: true,
         };
         assert!(db
             .claim_pooled(&Claim {

@@ -96,6 +96,13 @@ fn base32(bytes: &[u8]) -> String {
     out
 }
 
+/// A sandbox's port access token: 160 random bits, base32.
+pub fn new_access_token() -> String {
+    let mut b = [0u8; 20];
+    rand::rngs::OsRng.fill_bytes(&mut b);
+    base32(&b)
+}
+
 /// Whether `s` looks like a sandbox id (so garbage never reaches the database or a path).
 pub fn valid_sandbox_id(s: &str) -> bool {
     s.len() == 30
@@ -122,6 +129,8 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         on_timeout: r.on_timeout,
         snapshot: r.snapshot.clone(),
         network: None,
+        access_token: r.access_token.clone(),
+        allow_public_traffic: r.public_traffic,
     }
 }
 
@@ -512,6 +521,7 @@ impl Sandboxes {
             limits,
             on_timeout: req.on_timeout.unwrap_or_default(),
             network,
+            public_traffic: req.allow_public_traffic.unwrap_or(false),
         };
         let defaults = self.limits_for(&CreateSandboxRequest::default());
         // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
@@ -559,6 +569,8 @@ impl Sandboxes {
             snapshot: snapshot.map(|s| s.id.clone()),
             on_timeout: claim.on_timeout,
             network: claim.network,
+            access_token: new_access_token(),
+            public_traffic: claim.public_traffic,
         }
     }
 
@@ -750,6 +762,8 @@ impl Sandboxes {
             network: self
                 .networking(Isolation::Container)
                 .then(moat_api::NetworkPolicy::default),
+            access_token: new_access_token(),
+            public_traffic: false,
         };
         let rec = self.start_new(rec, tier, rootfs).await?;
         tracing::debug!(sandbox = %rec.id, "added to the warm pool");

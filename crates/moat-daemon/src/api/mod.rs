@@ -3,6 +3,7 @@
 mod audit;
 mod code;
 pub mod mcp;
+mod ports;
 mod proxy;
 mod sandboxes;
 mod snapshots;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{any, delete, get, post};
 use axum::{Json, Router};
 use moat_api::ErrorCode;
 use utoipa::OpenApi;
@@ -185,9 +186,20 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(health))
         .route("/openapi.json", get(openapi))
+        // Exposed ports check their own credentials (API key, the sandbox's token, or public).
+        .route("/v1/sandboxes/{id}/ports/{port}", any(ports::path_form))
+        .route("/v1/sandboxes/{id}/ports/{port}/", any(ports::path_form))
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/{*path}",
+            any(ports::path_form),
+        )
         .merge(v1)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            ports::host_form,
+        ))
         .with_state(state)
 }
 
