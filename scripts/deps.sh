@@ -19,6 +19,9 @@ packages=(
     skopeo            # tests: makes docker-archive images and pushes to a test registry
     docker-registry   # tests: a real OCI registry on 127.0.0.1
     apache2-utils     # tests: htpasswd for the registry's basic auth
+    dnsmasq-base      # tests: the DNS server of the network test's "internet" namespace
+    python3           # tests: HTTP servers inside test namespaces and sandboxes
+    bubblewrap runc podman runsc  # bench: the peers moat is measured against
 )
 
 missing=()

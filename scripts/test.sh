@@ -34,6 +34,12 @@ echo "MOAT_AGENT=$MOAT_AGENT"
 echo "== cargo test"
 cargo test --workspace "$@"
 
+# The benchmark's quick mode: every scenario's code path against moat and the installed peers, tiny
+# counts, no timing judged (docs/benchmarks.md).
+echo "== bench (quick)"
+cargo build --quiet -p moat-cli -p moat-bench
+target/debug/moat-bench --quick --moat-bin target/debug/moat --agent "$MOAT_AGENT"
+
 echo "== python sdk"
 # The Python SDK's tests start their own daemon (target/debug/moat, built above as part of moat-cli).
 # pytest exits non-zero on any failure and with 5 when it collects no tests; set -e makes both fatal.

@@ -54,6 +54,10 @@ impl Daemon {
             .arg("--agent")
             .arg(agent)
             .args(extra)
+            // No sandbox networking: the bench's sandboxes, like the peers, get an empty network
+            // namespace and never a NAT path out of this machine. (A daemon older than the
+            // networking flag ignores the variable; its sandboxes have no network anyway.)
+            .env("MOAT_NETWORK", "none")
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(log_err)

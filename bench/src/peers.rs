@@ -18,17 +18,20 @@ pub fn which(prog: &str) -> Option<PathBuf> {
 
 /// Runs `argv` to completion, stdout discarded; its wall time, or an error holding its stderr.
 pub fn time_cmd(argv: &[OsString]) -> Result<Duration> {
+    tokio::task::block_in_place(|| time_cmd_sync(argv))
+}
+
+/// [`time_cmd`] for threads of the bench's own (concurrent bursts).
+pub fn time_cmd_sync(argv: &[OsString]) -> Result<Duration> {
     let (prog, args) = argv.split_first().context("empty command")?;
     let started = Instant::now();
-    let out = tokio::task::block_in_place(|| {
-        Command::new(prog)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-    })
-    .with_context(|| format!("run {}", prog.to_string_lossy()))?;
+    let out = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .with_context(|| format!("run {}", prog.to_string_lossy()))?;
     let elapsed = started.elapsed();
     if !out.status.success() {
         bail!(
@@ -150,6 +153,172 @@ pub fn runsc_do_argv(state: &Path, rootfs: &Path) -> Vec<OsString> {
     v.push(rootfs.into());
     v.extend(argv(["-cwd", "/", "/bin/true"]));
     v
+}
+
+/// `runc` with its state under `root`.
+pub fn runc_base(root: &Path) -> Vec<OsString> {
+    let mut v = argv(["runc", "--root"]);
+    v.push(root.into());
+    v
+}
+
+/// `<base> run --bundle B ID` (runsc or runc): create, start, wait and delete one container.
+pub fn oci_run_argv(base: &[OsString], bundle: &Path, id: &str) -> Vec<OsString> {
+    let mut v = base.to_vec();
+    v.extend(argv(["run", "--bundle"]));
+    v.push(bundle.into());
+    v.push(id.into());
+    v
+}
+
+/// The `podman` binary with the bench's global flags: its own storage under `dir` (never the
+/// system's), runc (crun refuses cgroup v1 hybrid hosts), cgroupfs, events to a file.
+pub fn podman_base(dir: &Path) -> Vec<OsString> {
+    let mut v = argv(["podman", "--root"]);
+    v.push(dir.join("root").into());
+    v.push("--runroot".into());
+    v.push(dir.join("runroot").into());
+    v.push("--tmpdir".into());
+    v.push(dir.join("tmp").into());
+    v.extend(argv([
+        "--runtime",
+        PODMAN_RUNTIME,
+        "--cgroup-manager",
+        "cgroupfs",
+        "--events-backend",
+        "file",
+    ]));
+    v
+}
+
+/// The OCI runtime podman is told to use.
+pub const PODMAN_RUNTIME: &str = "/usr/sbin/runc";
+
+/// `podman run` with no network, explicit rlimits (the host's hard nofile limit is 20000 and nothing
+/// may raise it) and `rootfs` as the root through an overlay (`:O`: writes are discarded, the
+/// directory is never changed); `extra` go before the root (`--rm`, `-d`, `--name N`).
+pub fn podman_run_argv(
+    base: &[OsString],
+    rootfs: &Path,
+    extra: &[&str],
+    cmd: &[&str],
+) -> Vec<OsString> {
+    let mut v = base.to_vec();
+    v.push("run".into());
+    v.extend(argv(extra.iter().copied()));
+    v.extend(argv([
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=20000:20000",
+        "--ulimit",
+        "nproc=4096:4096",
+        "--rootfs",
+    ]));
+    let mut root = OsString::from(rootfs);
+    root.push(":O");
+    v.push(root);
+    v.extend(argv(cmd.iter().copied()));
+    v
+}
+
+/// `base` followed by `rest`.
+pub fn with(base: &[OsString], rest: &[&str]) -> Vec<OsString> {
+    let mut v = base.to_vec();
+    v.extend(argv(rest.iter().copied()));
+    v
+}
+
+/// Runs `argv` to completion and returns its stdout; fails with its stderr.
+pub fn output_of(argv: &[OsString]) -> Result<String> {
+    let (prog, args) = argv.split_first().context("empty command")?;
+    let out =
+        tokio::task::block_in_place(|| Command::new(prog).args(args).stdin(Stdio::null()).output())
+            .with_context(|| format!("run {}", prog.to_string_lossy()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}): {}",
+            prog.to_string_lossy(),
+            out.status,
+            last_line(&String::from_utf8_lossy(&out.stderr))
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The host pid of container `id`'s init, from `<base> state ID` (runc, runsc).
+pub fn oci_pid(base: &[OsString], id: &str) -> Result<u32> {
+    let text = output_of(&with(base, &["state", id]))?;
+    let v: serde_json::Value = serde_json::from_str(&text).context("parse the state")?;
+    v["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|p| *p > 0)
+        .with_context(|| format!("no pid in the state of {id}"))
+}
+
+/// The host pid of podman container `name`'s init.
+pub fn podman_pid(base: &[OsString], name: &str) -> Result<u32> {
+    let text = output_of(&with(
+        base,
+        &["inspect", "--format", "{{.State.Pid}}", name],
+    ))?;
+    text.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|p| *p > 0)
+        .with_context(|| format!("no pid for podman container {name}: {text}"))
+}
+
+/// Kills and deletes every container `<base> list` shows (runc, runsc); returns what is left.
+pub fn sweep_oci(base: &[OsString], tool: &str) -> Vec<String> {
+    let ids = match output_of(&with(base, &["list", "--quiet"])) {
+        Ok(text) => text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect::<Vec<_>>(),
+        Err(e) => return vec![format!("{tool} list: {e:#}")],
+    };
+    let mut problems = Vec::new();
+    for id in ids {
+        let _ = run_quiet(&with(base, &["kill", &id, "KILL"]));
+        if let Err(e) = run_quiet(&with(base, &["delete", "--force", &id])) {
+            // A container killed a moment ago may still be stopping.
+            std::thread::sleep(Duration::from_millis(300));
+            if run_quiet(&with(base, &["delete", "--force", &id])).is_err() {
+                problems.push(format!("{tool} container {id}: {e:#}"));
+            }
+        }
+    }
+    problems
+}
+
+/// Removes every container of the bench's podman storage; returns what is left.
+pub fn sweep_podman(base: &[OsString]) -> Vec<String> {
+    let listed = |what: &[&str]| -> Vec<String> {
+        output_of(&with(base, what))
+            .map(|t| {
+                t.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    if listed(&["ps", "-aq"]).is_empty() {
+        return Vec::new();
+    }
+    let mut problems = Vec::new();
+    if let Err(e) = run_quiet(&with(base, &["rm", "--all", "--force", "--time", "0"])) {
+        problems.push(format!("podman rm --all: {e:#}"));
+    }
+    for id in listed(&["ps", "-aq"]) {
+        problems.push(format!("podman container {id} is still there"));
+    }
+    problems
 }
 
 /// Writes an OCI bundle (`config.json` only; the root is `rootfs`, read-only) running `args`.

@@ -85,6 +85,80 @@ pub fn table(rows: &[Row], reference: usize) -> String {
     out
 }
 
+/// One scenario's part of the report: a heading, what it measures, its tables, or why it failed.
+#[derive(Debug, Clone, Default)]
+pub struct Section {
+    pub title: String,
+    pub intro: String,
+    pub body: String,
+    /// The scenario stopped with this error (the bench then fails).
+    pub failed: Option<String>,
+}
+
+impl Section {
+    pub fn new(title: impl Into<String>, intro: impl Into<String>) -> Section {
+        Section {
+            title: title.into(),
+            intro: intro.into(),
+            ..Section::default()
+        }
+    }
+
+    /// Appends markdown (a table, a note) to the body, separated by a blank line.
+    pub fn push(&mut self, md: impl AsRef<str>) {
+        if !self.body.is_empty() && !self.body.ends_with("\n\n") {
+            self.body.push('\n');
+        }
+        self.body.push_str(md.as_ref());
+        if !self.body.ends_with('\n') {
+            self.body.push('\n');
+        }
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut md = format!("## {}\n\n", self.title);
+        if !self.intro.is_empty() {
+            md.push_str(&self.intro);
+            md.push_str("\n\n");
+        }
+        if let Some(e) = &self.failed {
+            let _ = writeln!(md, "**The scenario failed:** {e}\n");
+        }
+        md.push_str(&self.body);
+        md
+    }
+}
+
+/// A markdown table: `cols` are (header, right-aligned); every row has one cell per column.
+pub fn grid(cols: &[(&str, bool)], rows: &[Vec<String>]) -> String {
+    let mut out = String::from("|");
+    for (h, _) in cols {
+        let _ = write!(out, " {h} |");
+    }
+    out.push_str("\n|");
+    for (_, right) in cols {
+        out.push_str(if *right { "---:|" } else { "---|" });
+    }
+    out.push('\n');
+    for row in rows {
+        out.push('|');
+        for cell in row {
+            let _ = write!(out, " {} |", cell.replace('|', "/"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// A table cell for a row that did not run.
+pub fn status_cell(status: &RowStatus) -> Option<String> {
+    match status {
+        RowStatus::Ok => None,
+        RowStatus::NotInstalled(why) => Some(format!("not installed ({why})")),
+        RowStatus::Failed(why) => Some(format!("failed: {why}")),
+    }
+}
+
 /// `YYYY-MM-DD`, `HH:MM:SS` of a Unix time, in UTC.
 pub fn utc(t: SystemTime) -> (String, String) {
     let secs = t
@@ -171,6 +245,14 @@ pub fn machine(workspace: &Path, moat_version: &str) -> String {
     );
     let _ = writeln!(out, "- bubblewrap: {}", version("bwrap", "--version"));
     let _ = writeln!(out, "- runsc: {}", version("runsc", "--version"));
+    let _ = writeln!(out, "- runc: {}", version("runc", "--version"));
+    let _ = writeln!(
+        out,
+        "- podman: {} (OCI runtime {}); conmon: {}",
+        version("podman", "--version"),
+        crate::peers::PODMAN_RUNTIME,
+        version("conmon", "--version")
+    );
     let _ = writeln!(
         out,
         "- util-linux (unshare, nsenter): {}",
@@ -218,5 +300,18 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("not installed (apt-get install -y gone)"), "{t}");
+    }
+
+    #[test]
+    fn grids_and_sections() {
+        let g = grid(
+            &[("tool", false), ("MiB", true)],
+            &[vec!["a|b".into(), "1.0".into()]],
+        );
+        assert_eq!(g, "| tool | MiB |\n|---|---:|\n| a/b | 1.0 |\n");
+        let mut s = Section::new("1. X", "what");
+        s.push("t1");
+        s.push("t2\n");
+        assert_eq!(s.markdown(), "## 1. X\n\nwhat\n\nt1\n\nt2\n");
     }
 }

@@ -117,6 +117,19 @@ impl Topology {
                 "--address=/test.example/198.51.100.1",
             ],
         ));
+        // A sink: reads 1.5 MB, answers how much it got.
+        t.servers.push(spawn(
+            &internet,
+            &[
+                "python3",
+                "-c",
+                "import socket, threading\n\
+                 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                 s.bind(('0.0.0.0', 9000)); s.listen(64)\n\
+                 def h(c):\n    n = 0\n    while n < 1500000:\n        b = c.recv(65536)\n        if not b: break\n        n += len(b)\n    c.sendall(str(n).encode()); c.close()\n\
+                 while True:\n    c, _ = s.accept(); threading.Thread(target=h, args=(c,)).start()\n",
+            ],
+        ));
         // A server on the "host" itself, which sandboxes must not reach.
         t.servers.push(spawn(
             &host,
@@ -308,6 +321,7 @@ async fn egress_policy_in_a_test_made_network() {
             allow_internet: false,
             allow_out: vec![format!("{PRIVATE}/32")],
             deny_out: vec![],
+            ..Default::default()
         }),
     )
     .await;
@@ -328,6 +342,7 @@ async fn egress_policy_in_a_test_made_network() {
             allow_internet: false,
             allow_out: vec![METADATA.into()],
             deny_out: vec![],
+            ..Default::default()
         },
     )
     .await
@@ -344,6 +359,7 @@ async fn egress_policy_in_a_test_made_network() {
             allow_internet: true,
             allow_out: vec![],
             deny_out: vec!["198.51.100.0/24".into()],
+            ..Default::default()
         },
     )
     .await
@@ -359,6 +375,7 @@ async fn egress_policy_in_a_test_made_network() {
                 allow_internet: true,
                 allow_out: vec![INTERNET.into()],
                 deny_out: vec!["198.51.100.0/24".into()],
+                ..Default::default()
             },
         )
         .await
@@ -404,6 +421,52 @@ async fn egress_policy_in_a_test_made_network() {
             .await
             .as_deref(),
         Some("hello")
+    );
+
+    // Bandwidth and connection-rate limits, set live.
+    let upload = "head -c 1500000 /dev/zero | busybox nc -w 20 198.51.100.1 9000";
+    let started = std::time::Instant::now();
+    assert_eq!(sh(&c, &a.id, upload).await.stdout, "1500000");
+    let unlimited = started.elapsed();
+    c.set_network(
+        &a.id,
+        &NetworkPolicy {
+            egress_mbps: Some(4),
+            connections_per_second: Some(1),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(sh(&c, &a.id, upload).await.stdout, "1500000");
+    let limited = started.elapsed();
+    // 1.5 MB at 4 Mbit/s (500 kB/s) takes about 3 s; a lower bound, so a slow machine cannot fail it.
+    assert!(
+        limited >= Duration::from_secs(2),
+        "4 Mbit/s cap: 1.5 MB took {limited:?} (unlimited: {unlimited:?})"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let burst = sh(
+        &c,
+        &a.id,
+        &format!(
+            "for i in 1 2 3 4 5 6; do (printf 'GET / HTTP/1.0\\r\\n\\r\\n' | \
+             busybox nc -w 2 {INTERNET} 8080 | grep -q hello && echo ok) & done; wait"
+        ),
+    )
+    .await;
+    let ok = burst.stdout.lines().filter(|l| *l == "ok").count();
+    assert!(
+        (1..=3).contains(&ok),
+        "{ok} of 6 quick connections at 1/s got through"
+    );
+    assert!(
+        sh(&c, &a.id, "busybox nc -w 1 198.51.100.1 9 </dev/null")
+            .await
+            .exit
+            .exit_code
+            != Some(0)
     );
 
     // Deleting the sandboxes removes their host interfaces.

@@ -18,6 +18,14 @@ pub struct NetworkPolicy {
     /// Destinations refused: IPv4 addresses or CIDRs (`0.0.0.0/0` refuses everything not allowed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny_out: Vec<String>,
+    /// Outgoing bandwidth cap in Mbit/s (packets over it are dropped, so TCP slows down to it);
+    /// none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_mbps: Option<u32>,
+    /// Most new outgoing connections per second (over it, connection attempts are dropped); none
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections_per_second: Option<u32>,
 }
 
 fn yes() -> bool {
@@ -30,6 +38,8 @@ impl Default for NetworkPolicy {
             allow_internet: true,
             allow_out: Vec::new(),
             deny_out: Vec::new(),
+            egress_mbps: None,
+            connections_per_second: None,
         }
     }
 }

@@ -213,6 +213,7 @@ impl NetArgs {
             allow_internet: !self.no_internet,
             allow_out: self.allow_out.clone(),
             deny_out: self.deny_out.clone(),
+            ..Default::default()
         })
     }
 }

@@ -136,6 +136,20 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
 
 /// Checks every entry of an egress policy (the error names the entry).
 fn validate_policy(p: &moat_api::NetworkPolicy) -> ApiResult<()> {
+    if p.egress_mbps.is_some_and(|m| !(1..=100_000).contains(&m)) {
+        return Err(ApiError::invalid(
+            "network.egress_mbps",
+            "egress_mbps must be 1..=100000",
+        ));
+    }
+    if p.connections_per_second
+        .is_some_and(|n| !(1..=100_000).contains(&n))
+    {
+        return Err(ApiError::invalid(
+            "network.connections_per_second",
+            "connections_per_second must be 1..=100000",
+        ));
+    }
     for (list, entries) in [("allow_out", &p.allow_out), ("deny_out", &p.deny_out)] {
         if entries.len() > 1000 {
             return Err(ApiError::invalid(

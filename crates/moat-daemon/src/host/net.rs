@@ -164,17 +164,17 @@ impl Network {
              \tmap by_if {{ type ifname : verdict; }}\n\
              \tchain input {{ type filter hook input priority filter - 5; policy accept;\n\
              \t\tiifname \"{p}h*\" ct state established,related accept\n\
-             \t\tiifname \"{p}h*\" drop\n\t}}\n\
+             \t\tiifname \"{p}h*\" reject\n\t}}\n\
              \tchain forward {{ type filter hook forward priority filter - 5; policy accept;\n\
              \t\toifname \"{p}h*\" ct state established,related accept\n\
-             \t\toifname \"{p}h*\" drop\n\
+             \t\toifname \"{p}h*\" reject\n\
              \t\tiifname \"{p}h*\" jump egress\n\t}}\n\
              \tchain egress {{\n\
-             \t\tmeta nfproto ipv6 drop\n\
-             \t\tip daddr @never4 drop\n\
+             \t\tmeta nfproto ipv6 reject\n\
+             \t\tip daddr @never4 reject\n\
              \t\tiifname vmap @by_if\n\
              \t\tct status dnat meta l4proto {{ tcp, udp }} th dport 53 accept\n\
-             \t\tip daddr @private4 drop\n\
+             \t\tip daddr @private4 reject\n\
              \t\taccept\n\t}}\n\
              \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
              \t\tiifname \"{p}h*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {dns}\n\t}}\n\
@@ -206,6 +206,19 @@ impl Network {
             Ok(v.join(", "))
         };
         let mut s = format!("add chain inet {t} {c}\nflush chain inet {t} {c}\n");
+        if let Some(n) = policy.connections_per_second {
+            s.push_str(&format!(
+                "add rule inet {t} {c} ct state new limit rate over {n}/second burst {n} packets reject\n"
+            ));
+        }
+        if let Some(mbps) = policy.egress_mbps {
+            // 1 Mbit/s = 125 kbytes/s; a burst of a tenth of a second (at least 64 KiB).
+            let kbytes = mbps as u64 * 125;
+            s.push_str(&format!(
+                "add rule inet {t} {c} limit rate over {kbytes} kbytes/second burst {} kbytes drop\n",
+                (kbytes / 10).max(64)
+            ));
+        }
         if !policy.allow_out.is_empty() {
             s.push_str(&format!(
                 "add rule inet {t} {c} ip daddr {{ {} }} accept\n",
@@ -214,12 +227,12 @@ impl Network {
         }
         if !policy.deny_out.is_empty() {
             s.push_str(&format!(
-                "add rule inet {t} {c} ip daddr {{ {} }} drop\n",
+                "add rule inet {t} {c} ip daddr {{ {} }} reject\n",
                 cidrs(&policy.deny_out)?
             ));
         }
         if !policy.allow_internet {
-            s.push_str(&format!("add rule inet {t} {c} drop\n"));
+            s.push_str(&format!("add rule inet {t} {c} reject\n"));
         }
         s.push_str(&format!(
             "add element inet {t} by_if {{ \"{}\" : jump {c} }}\n",
@@ -275,7 +288,13 @@ impl Network {
     pub fn detach(&self, slot: u32) -> Result<()> {
         let host = self.host_if(slot);
         if interfaces().contains(&host) {
-            run(&["ip", "link", "del", &host], "")?;
+            // The kernel removes the pair by itself once the sandbox's namespace is gone, which may
+            // happen between the check and the delete: only an interface still there is an error.
+            if let Err(e) = run(&["ip", "link", "del", &host], "") {
+                if interfaces().contains(&host) {
+                    return Err(e);
+                }
+            }
         }
         let t = &self.table;
         let c = Self::chain(slot);
@@ -348,6 +367,7 @@ mod tests {
                 allow_internet: false,
                 allow_out: vec!["10.1.2.3".into()],
                 deny_out: vec!["8.8.8.0/24".into()],
+                ..Default::default()
             },
         );
         let r = n.ruleset(&live).unwrap();
@@ -359,15 +379,29 @@ mod tests {
             "{r}"
         );
         assert!(
-            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 8.8.8.0/24 } drop"),
+            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 8.8.8.0/24 } reject"),
             "{r}"
         );
-        assert!(r.contains("add rule inet moat_abcd sbx_3 drop"), "{r}");
+        assert!(r.contains("add rule inet moat_abcd sbx_3 reject"), "{r}");
         assert!(r.contains("\"mtabcdh3\" : jump sbx_3"), "{r}");
         // Allow comes before deny.
         assert!(
             r.find("accept\nadd rule inet moat_abcd sbx_3 ip daddr { 8.8")
                 .is_some(),
+            "{r}"
+        );
+        let limited = NetworkPolicy {
+            egress_mbps: Some(8),
+            connections_per_second: Some(5),
+            ..Default::default()
+        };
+        let r = n.policy_commands(4, &limited).unwrap();
+        assert!(
+            r.contains("limit rate over 1000 kbytes/second burst 100 kbytes drop"),
+            "{r}"
+        );
+        assert!(
+            r.contains("ct state new limit rate over 5/second burst 5 packets reject"),
             "{r}"
         );
         let bad = NetworkPolicy {

@@ -13,7 +13,8 @@ from .exceptions import (AuthenticationError, CommandExitException, CommandTimeo
                          PayloadTooLargeError, PermissionDeniedError, SandboxTimeoutError, UnavailableError)
 from .files import FileStream, Filesystem, WatchHandle
 from .models import (CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
-                     ProcessEvent, ProcessInfo, Result, SandboxInfo, SnapshotInfo, TemplateInfo, WriteEntry)
+                     NetworkInfo, NetworkPolicy, ProcessEvent, ProcessInfo, Result, SandboxInfo, SnapshotInfo,
+                     TemplateInfo, WriteEntry)
 from .pty import Pty, PtyHandle
 from .sandbox import Sandbox
 
@@ -23,7 +24,8 @@ __all__ = [
     "Sandbox", "AsyncSandbox", "Commands", "CommandHandle", "AsyncCommandHandle", "Filesystem", "FileStream",
     "WatchHandle", "AsyncWatchHandle", "Pty", "PtyHandle", "AsyncPtyHandle",
     "CommandResult", "Context", "EntryInfo", "Execution", "ExecutionError", "ExitStatus", "FilesystemEvent", "Logs",
-    "ProcessEvent", "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo", "TemplateInfo", "WriteEntry",
+    "NetworkInfo", "NetworkPolicy", "ProcessEvent", "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo",
+    "TemplateInfo", "WriteEntry",
     "MoatError", "InvalidArgumentError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
     "ConflictError", "PayloadTooLargeError", "SandboxTimeoutError", "UnavailableError", "InternalError",
     "NotSupportedError", "CommandExitException", "CommandTimeoutError",

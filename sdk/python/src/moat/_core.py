@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from urllib.parse import quote, urlsplit
 
 from .exceptions import CommandExitException, CommandTimeoutError, InvalidArgumentError
-from .models import CommandResult, Execution, ExecutionError, ProcessEvent, Result, SnapshotInfo
+from .models import CommandResult, Execution, ExecutionError, NetworkPolicy, ProcessEvent, Result, SnapshotInfo
 
 Cmd = Union[str, Sequence[str]]
 SnapshotRef = Union[str, SnapshotInfo]  # a snapshot id, its name, or the snapshot
 OutputHandler = Optional[Callable[[str], Any]]
+PolicyLike = Union[NetworkPolicy, Dict[str, Any]]  # a policy object or its JSON form
 
 DEFAULT_COMMAND_TIMEOUT = 60.0
 
 
 def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, snapshot=None,
-                on_timeout=None) -> Dict[str, Any]:
+                on_timeout=None, network=None, allow_public_traffic=None) -> Dict[str, Any]:
     body: Dict[str, Any] = {}
     for k, v in (("template", template), ("timeout", timeout), ("cpu", cpu), ("memory_mb", memory_mb),
-                 ("isolation", isolation), ("snapshot", snapshot_ref(snapshot)), ("on_timeout", on_timeout)):
+                 ("isolation", isolation), ("snapshot", snapshot_ref(snapshot)), ("on_timeout", on_timeout),
+                 ("network", policy_json(network) if network is not None else None),
+                 ("allow_public_traffic", None if allow_public_traffic is None else bool(allow_public_traffic))):
         if v is not None:
             body[k] = v
     if envs:
@@ -34,6 +38,72 @@ def list_params(metadata: Optional[Dict[str, str]], state: Optional[str]) -> Lis
     if state:
         params.append(("state", state))
     return params
+
+
+# --- network and exposed ports ----------------------------------------------------------------------
+
+def _cidrs(v: Any) -> List[str]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, str) else [str(c) for c in v]
+
+
+def policy_json(policy: PolicyLike) -> Dict[str, Any]:
+    """The JSON of an egress policy given as a :class:`NetworkPolicy` or a dict (passed on as is, so that
+    the daemon names any unknown key)."""
+    if isinstance(policy, NetworkPolicy):
+        return policy.to_json()
+    if isinstance(policy, dict):
+        d = dict(policy)
+        for k in ("allow_out", "deny_out"):
+            if k in d:
+                d[k] = _cidrs(d[k])
+        return d
+    raise InvalidArgumentError(f"a network policy is a NetworkPolicy or a dict, not {type(policy).__name__}",
+                               code="invalid_argument", field="network")
+
+
+def set_network_body(allow_internet: Union[bool, PolicyLike], allow_out, deny_out) -> Dict[str, Any]:
+    """``PUT /v1/sandboxes/{id}/network`` body: a policy object/dict, or the three fields."""
+    if isinstance(allow_internet, (NetworkPolicy, dict)):
+        if allow_out is not None or deny_out is not None:
+            raise InvalidArgumentError("give either a policy or allow_out/deny_out, not both",
+                                       code="invalid_argument", field="network")
+        return policy_json(allow_internet)
+    return {"allow_internet": bool(allow_internet), "allow_out": _cidrs(allow_out), "deny_out": _cidrs(deny_out)}
+
+
+def check_port(port: Any) -> int:
+    ok = isinstance(port, int) and not isinstance(port, bool) or isinstance(port, str) and port.isdigit()
+    p = int(port) if ok else 0
+    if not 1 <= p <= 65535:
+        raise InvalidArgumentError(f"port {port!r} must be 1..65535", code="invalid_argument", field="port")
+    return p
+
+
+def port_base_url(api_url: str, sandbox_id: str, port: Any, domain: Optional[str] = None) -> str:
+    """Base URL of a sandbox port: path form under ``api_url``, or host form ``{port}-{id}.{domain}`` (with
+    ``api_url``'s scheme, or the scheme ``domain`` starts with)."""
+    p = check_port(port)
+    if domain is None:
+        return f"{api_url.rstrip('/')}/v1/sandboxes/{sandbox_id}/ports/{p}"
+    domain = domain.rstrip("/")
+    if "://" in domain:
+        scheme, domain = domain.split("://", 1)
+    else:
+        scheme = urlsplit(api_url).scheme or "http"
+    return f"{scheme}://{p}-{sandbox_id}.{domain}"
+
+
+def port_url(base: str, path: str, token: Optional[str]) -> str:
+    """``base`` + ``path`` (query kept), with ``moat_access_token=token`` added when a token is given."""
+    path = path or "/"
+    if not path.startswith("/"):
+        path = "/" + path
+    url = base + path
+    if token:
+        url += ("&" if "?" in path else "?") + "moat_access_token=" + quote(token, safe="")
+    return url
 
 
 # --- snapshots, forks, reset, pause -----------------------------------------------------------------

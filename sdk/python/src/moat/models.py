@@ -8,6 +8,51 @@ from typing import Any, Dict, List, Optional
 
 
 @dataclass
+class NetworkPolicy:
+    """What a sandbox may reach (its egress policy; see docs/network.md).
+
+    Whatever the policy, a sandbox never reaches the host, another sandbox, link-local addresses (cloud
+    metadata) or multicast, and has no IPv6. ``allow_out`` and ``deny_out`` hold IPv4 addresses or CIDRs;
+    allow beats deny; private ranges (RFC 1918, CGNAT) are refused unless named in ``allow_out``.
+    """
+
+    #: The public internet (everything not private and not in ``deny_out``).
+    allow_internet: bool = True
+    #: Destinations allowed even when ``allow_internet`` is off or they are private.
+    allow_out: List[str] = field(default_factory=list)
+    #: Destinations refused (``"0.0.0.0/0"`` refuses everything not in ``allow_out``).
+    deny_out: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "NetworkPolicy":
+        return cls(allow_internet=bool(d.get("allow_internet", True)), allow_out=list(d.get("allow_out") or []),
+                   deny_out=list(d.get("deny_out") or []))
+
+    def to_json(self) -> Dict[str, Any]:
+        def cidrs(v: Any) -> List[str]:
+            return [v] if isinstance(v, str) else [str(c) for c in v or ()]
+
+        return {"allow_internet": bool(self.allow_internet), "allow_out": cidrs(self.allow_out),
+                "deny_out": cidrs(self.deny_out)}
+
+
+@dataclass
+class NetworkInfo:
+    """A sandbox's network (``GET /v1/sandboxes/{id}/network``): its address, gateway and egress policy."""
+
+    #: The sandbox's IPv4 address (its ``eth0``).
+    ip: str
+    #: Its gateway on the host (which answers nothing but forwarding and DNS).
+    gateway: str
+    policy: NetworkPolicy = field(default_factory=NetworkPolicy)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "NetworkInfo":
+        return cls(ip=d.get("ip", ""), gateway=d.get("gateway", ""),
+                   policy=NetworkPolicy.from_json(d.get("policy") or {}))
+
+
+@dataclass
 class SandboxInfo:
     """A sandbox as the API shows it (``GET /v1/sandboxes/{id}``)."""
 
@@ -26,6 +71,14 @@ class SandboxInfo:
     on_timeout: str = "kill"
     #: The snapshot it was started from (id), if any.
     snapshot: Optional[str] = None
+    #: Its address and egress policy; None when the daemon runs without sandbox networking
+    #: (``moat serve --network none``: loopback only) or is older than sandbox networking.
+    network: Optional[NetworkInfo] = None
+    #: The token that opens the sandbox's exposed ports to someone without the API key (sent as the
+    #: ``X-Moat-Access-Token`` header or the ``moat_access_token`` query parameter); "" from older servers.
+    access_token: str = ""
+    #: Whether its ports answer anyone, without the API key or the access token.
+    allow_public_traffic: bool = False
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "SandboxInfo":
@@ -33,7 +86,10 @@ class SandboxInfo:
                    created_at=d["created_at"], expires_at=d["expires_at"], metadata=d.get("metadata") or {},
                    env_keys=d.get("env_keys") or [], cpu=d.get("cpu", 0.0), memory_mb=d.get("memory_mb", 0),
                    hostname=d.get("hostname", ""), on_timeout=d.get("on_timeout") or "kill",
-                   snapshot=d.get("snapshot"))
+                   snapshot=d.get("snapshot"),
+                   network=NetworkInfo.from_json(d["network"]) if d.get("network") else None,
+                   access_token=d.get("access_token") or "",
+                   allow_public_traffic=bool(d.get("allow_public_traffic")))
 
     @property
     def id(self) -> str:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from . import _core
 from ._config import LONG_REQUEST_TIMEOUT, ConnectionConfig
-from ._core import SnapshotRef
+from ._core import PolicyLike, SnapshotRef
 from ._http import SyncApi
 from .commands import Commands
 from .exceptions import ConflictError, NotFoundError
 from .files import Filesystem
-from .models import Context, Execution, SandboxInfo, SnapshotInfo
+from .models import Context, Execution, NetworkInfo, SandboxInfo, SnapshotInfo
 from .pty import Pty
 
 
@@ -46,18 +46,24 @@ class Sandbox:
                envs: Optional[Dict[str, str]] = None, metadata: Optional[Dict[str, str]] = None,
                cpu: Optional[float] = None, memory_mb: Optional[int] = None, isolation: Optional[str] = None,
                api_key: Optional[str] = None, api_url: Optional[str] = None,
-               snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None) -> "Sandbox":
+               snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
+               network: Optional[PolicyLike] = None, allow_public_traffic: Optional[bool] = None) -> "Sandbox":
         """Creates a sandbox. ``timeout``: seconds until it is killed (daemon default 300).
 
         ``snapshot``: start from a snapshot (id, name or :class:`SnapshotInfo`); its template, tier, limits and
         environment apply unless given here. ``on_timeout``: ``"kill"`` (default) or ``"pause"`` (the
         timeout pauses the sandbox instead; :meth:`connect` resumes it).
+
+        ``network``: its egress policy, a :class:`NetworkPolicy` or a dict with ``allow_internet``,
+        ``allow_out``, ``deny_out`` (the daemon's default when not given; an :class:`InvalidArgumentError`
+        with ``field == "network"`` when the daemon runs with ``--network none``). ``allow_public_traffic``:
+        its exposed ports answer anyone, without the API key or its access token (default False).
         """
         api = SyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = api.json("POST", "/v1/sandboxes",
                          json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                snapshot, on_timeout))
+                                                snapshot, on_timeout, network, allow_public_traffic))
         except BaseException:
             api.close()
             raise
@@ -144,6 +150,50 @@ class Sandbox:
         d = self._api.json("POST", f"/v1/sandboxes/{self.id}/reset", json=_core.reset_body(snapshot),
                            timeout=LONG_REQUEST_TIMEOUT)
         self._info = SandboxInfo.from_json(d)
+
+    # -- network and exposed ports ----------------------------------------------------------------------
+
+    def get_network(self) -> NetworkInfo:
+        """The sandbox's address, gateway and egress policy. :class:`ConflictError` when the daemon runs
+        without sandbox networking (``--network none``)."""
+        info = NetworkInfo.from_json(self._api.json("GET", f"/v1/sandboxes/{self.id}/network"))
+        self._info.network = info
+        return info
+
+    def set_network(self, allow_internet: Union[bool, PolicyLike] = True, allow_out: Optional[List[str]] = None,
+                    deny_out: Optional[List[str]] = None) -> NetworkInfo:
+        """Replaces the egress policy, in force for new connections at once; returns the new network info.
+
+        Give the three fields, or one :class:`NetworkPolicy` (or dict) instead of ``allow_internet``.
+        Entries are IPv4 addresses or CIDRs (:class:`InvalidArgumentError` naming the bad one, e.g.
+        ``field == "network.allow_out[1]"``); :class:`ConflictError` without sandbox networking.
+        """
+        info = NetworkInfo.from_json(self._api.json("PUT", f"/v1/sandboxes/{self.id}/network",
+                                                    json=_core.set_network_body(allow_internet, allow_out, deny_out)))
+        self._info.network = info
+        return info
+
+    @property
+    def access_token(self) -> str:
+        """The token that opens this sandbox's exposed ports without the API key ("" from older servers)."""
+        return self._info.access_token
+
+    def get_host(self, port: int, domain: Optional[str] = None) -> str:
+        """Base URL of a server listening on ``port`` inside the sandbox, like E2B's ``get_host``.
+
+        Path form by default, under the client's ``api_url``:
+        ``http://127.0.0.1:6628/v1/sandboxes/{id}/ports/{port}``; append the path (``get_host(8000) + "/"``).
+        With ``domain`` (a wildcard DNS name pointing at the daemon, e.g. ``"sandbox.example.com"``, optionally
+        with a scheme): the host form ``http://{port}-{id}.sandbox.example.com``. Requests need the API key, the
+        :attr:`access_token` (``X-Moat-Access-Token`` header or :meth:`port_url`), or
+        ``allow_public_traffic``.
+        """
+        return _core.port_base_url(self._api.config.api_url, self.id, port, domain)
+
+    def port_url(self, port: int, path: str = "/", with_token: bool = True, domain: Optional[str] = None) -> str:
+        """:meth:`get_host` + ``path``, with ``?moat_access_token=...`` added when ``with_token`` (a URL to
+        hand to someone without the API key, e.g. a browser; the host form then also sets a cookie)."""
+        return _core.port_url(self.get_host(port, domain), path, self.access_token if with_token else None)
 
     # -- snapshots and forks ----------------------------------------------------------------------------
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from .. import _core
 from .._config import LONG_REQUEST_TIMEOUT, ConnectionConfig
-from .._core import SnapshotRef
+from .._core import PolicyLike, SnapshotRef
 from .._http import AsyncApi
 from ..exceptions import ConflictError, NotFoundError
-from ..models import Context, Execution, SandboxInfo, SnapshotInfo
+from ..models import Context, Execution, NetworkInfo, SandboxInfo, SnapshotInfo
 from .commands import AsyncCommands
 from .files import AsyncFilesystem
 from .pty import AsyncPty
@@ -39,12 +39,15 @@ class AsyncSandbox:
                      envs: Optional[Dict[str, str]] = None, metadata: Optional[Dict[str, str]] = None,
                      cpu: Optional[float] = None, memory_mb: Optional[int] = None, isolation: Optional[str] = None,
                      api_key: Optional[str] = None, api_url: Optional[str] = None,
-                     snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None) -> "AsyncSandbox":
+                     snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
+                     network: Optional[PolicyLike] = None,
+                     allow_public_traffic: Optional[bool] = None) -> "AsyncSandbox":
+        """Creates a sandbox (see :meth:`Sandbox.create`)."""
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("POST", "/v1/sandboxes",
                                json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                      snapshot, on_timeout))
+                                                      snapshot, on_timeout, network, allow_public_traffic))
         except BaseException:
             await api.close()
             raise
@@ -117,6 +120,37 @@ class AsyncSandbox:
         d = await self._api.json("POST", f"/v1/sandboxes/{self.id}/reset", json=_core.reset_body(snapshot),
                                  timeout=LONG_REQUEST_TIMEOUT)
         self._info = SandboxInfo.from_json(d)
+
+    # -- network and exposed ports (see Sandbox for the details) ----------------------------------------
+
+    async def get_network(self) -> NetworkInfo:
+        """The sandbox's address, gateway and egress policy (:class:`ConflictError` with ``--network none``)."""
+        info = NetworkInfo.from_json(await self._api.json("GET", f"/v1/sandboxes/{self.id}/network"))
+        self._info.network = info
+        return info
+
+    async def set_network(self, allow_internet: Union[bool, PolicyLike] = True,
+                          allow_out: Optional[List[str]] = None,
+                          deny_out: Optional[List[str]] = None) -> NetworkInfo:
+        """Replaces the egress policy live: the three fields, or a :class:`NetworkPolicy` (or dict)."""
+        d = await self._api.json("PUT", f"/v1/sandboxes/{self.id}/network",
+                                 json=_core.set_network_body(allow_internet, allow_out, deny_out))
+        info = NetworkInfo.from_json(d)
+        self._info.network = info
+        return info
+
+    @property
+    def access_token(self) -> str:
+        """The token that opens this sandbox's exposed ports without the API key."""
+        return self._info.access_token
+
+    def get_host(self, port: int, domain: Optional[str] = None) -> str:
+        """Base URL of ``port`` inside the sandbox (no I/O; see :meth:`Sandbox.get_host`)."""
+        return _core.port_base_url(self._api.config.api_url, self.id, port, domain)
+
+    def port_url(self, port: int, path: str = "/", with_token: bool = True, domain: Optional[str] = None) -> str:
+        """:meth:`get_host` + ``path``, with ``?moat_access_token=...`` when ``with_token``."""
+        return _core.port_url(self.get_host(port, domain), path, self.access_token if with_token else None)
 
     # -- snapshots and forks ----------------------------------------------------------------------------
 

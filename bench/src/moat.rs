@@ -1,0 +1,108 @@
+//! The moat side of every scenario: calls through the real API with the Rust client, as an SDK user
+//! makes them.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use moat_api::{CreateSandboxRequest, ProcessEvent, StartProcessRequest};
+use moat_client::Client;
+
+use crate::cleanup::{Cleanup, LABEL};
+
+/// The daemon's default template; its creates are served from the warm pool when one is ready.
+pub const TEMPLATE: &str = "base";
+/// The same root filesystem under another name: the daemon's warm pool only serves its default
+/// template (`base`), so creates of this one always start a sandbox from nothing.
+pub const COLD_TEMPLATE: &str = "bench-cold";
+
+/// Creates a sandbox of `template` carrying the bench's label and a 900 s timeout (a crashed bench's
+/// sandboxes go away by themselves); recorded for cleanup.
+pub async fn create(
+    client: &Client,
+    template: &str,
+    cleanup: &Cleanup,
+) -> Result<moat_api::Sandbox> {
+    let req = CreateSandboxRequest {
+        template: Some(template.into()),
+        timeout: Some(900),
+        metadata: BTreeMap::from([(LABEL.to_string(), "1".to_string())]),
+        ..Default::default()
+    };
+    let sbx = client
+        .create_sandbox(&req)
+        .await
+        .context("create a sandbox")?;
+    cleanup.add_sandbox(&sbx.id);
+    Ok(sbx)
+}
+
+pub async fn delete(client: &Client, id: &str, cleanup: &Cleanup) -> Result<()> {
+    client
+        .delete_sandbox(id)
+        .await
+        .with_context(|| format!("delete sandbox {id}"))?;
+    cleanup.remove_sandbox(id);
+    Ok(())
+}
+
+/// One cold start: (create alone, create → exit of `true`, delete).
+pub async fn cold_once(
+    client: &Client,
+    template: &str,
+    cleanup: &Cleanup,
+) -> Result<(Duration, Duration, Duration)> {
+    let t0 = Instant::now();
+    let sbx = create(client, template, cleanup).await?;
+    let created = t0.elapsed();
+    run_true(client, &sbx.id).await?;
+    let total = t0.elapsed();
+    let t1 = Instant::now();
+    delete(client, &sbx.id, cleanup).await?;
+    Ok((created, total, t1.elapsed()))
+}
+
+/// Create → exit of `true`, timed; returns the sandbox id (not deleted) and the time.
+pub async fn create_and_true(
+    client: &Client,
+    template: &str,
+    cleanup: &Cleanup,
+) -> Result<(String, Duration)> {
+    let t0 = Instant::now();
+    let sbx = create(client, template, cleanup).await?;
+    run_true(client, &sbx.id).await?;
+    Ok((sbx.id, t0.elapsed()))
+}
+
+/// Deletes `ids` concurrently; the first error, after trying them all.
+pub async fn delete_all(client: &Client, ids: &[String], cleanup: &Cleanup) -> Result<()> {
+    let results = futures::future::join_all(ids.iter().map(|id| delete(client, id, cleanup))).await;
+    results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+}
+
+/// Runs `true` in sandbox `id` and waits for its `exit` event; fails unless it exits 0.
+pub async fn run_true(client: &Client, id: &str) -> Result<()> {
+    run_argv(client, id, &["true"]).await
+}
+
+/// Runs argv in sandbox `id` and waits for its exit; fails unless it exits 0.
+pub async fn run_argv(client: &Client, id: &str, argv: &[&str]) -> Result<()> {
+    let req = StartProcessRequest {
+        cmd: Some(argv.iter().map(|s| s.to_string()).collect()),
+        ..Default::default()
+    };
+    let mut events = client
+        .start_process_stream(id, &req)
+        .await
+        .context("start the command")?;
+    while let Some(ev) = events.next().await {
+        if let ProcessEvent::Exit(status) = ev.context("read the process events")? {
+            if status.exit_code == Some(0) {
+                return Ok(());
+            }
+            bail!("{argv:?} ended with {status:?}");
+        }
+    }
+    bail!("the event stream ended without an exit event")
+}
