@@ -1,9 +1,6 @@
 //! The scenarios. Each is a module with a `TITLE`, an `INTRO` (what it measures, for the report) and
 //! `async fn run(ctx: &Ctx<'_>, section: &mut Section) -> Result<()>` that appends its tables to
 //! `section`. Adding a scenario is one such module and one line in [`run_all`].
-//!
-//! Scenario 4 of issue 7 (fork of a snapshot vs a cold create) is not here yet: it is added when
-//! the daemon supports snapshots; until then the report says so ([`snapshot_pending`]).
 
 pub mod burst;
 pub mod cold;
@@ -12,6 +9,7 @@ pub mod exec;
 pub mod files;
 pub mod hardening;
 pub mod saturation;
+pub mod snapshots;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -157,10 +155,11 @@ impl Peer {
 }
 
 /// The scenarios' names for `--only`, in the order they run.
-pub const NAMES: [&str; 7] = [
+pub const NAMES: [&str; 8] = [
     "cold",
     "burst",
     "exec",
+    "snapshots",
     "density",
     "files",
     "saturation",
@@ -242,24 +241,12 @@ pub async fn run_all(ctx: &Ctx<'_>, only: &[String]) -> Vec<Section> {
     scenario!(cold);
     scenario!(burst);
     scenario!(exec);
-    if only.is_empty() {
-        out.push(snapshot_pending());
-    }
+    scenario!(snapshots);
     scenario!(density);
     scenario!(files);
     scenario!(saturation);
     scenario!(hardening);
     out
-}
-
-/// Scenario 4 until the daemon has snapshots.
-fn snapshot_pending() -> Section {
-    Section::new(
-        "4. Fork of a snapshot vs cold create",
-        "Not measured yet: scenario 4 runs when the daemon supports snapshots (create a sandbox, \
-         snapshot it, then time forks of the snapshot → exit of `true` against cold creates, \
-         interleaved).",
-    )
 }
 
 /// The status of a row whose tool is missing.
