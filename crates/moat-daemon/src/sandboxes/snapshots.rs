@@ -294,10 +294,9 @@ impl Sandboxes {
             ));
         }
         let snap = self.snapshot_record("id", id_or_name)?;
-        let parallel = std::thread::available_parallelism()
-            .map(|n| n.get() * 2)
-            .unwrap_or(4)
-            .clamp(2, 16);
+        // Starts overlap their waits (mounts, the agent's start): as many at once as a client issuing
+        // concurrent creates would, up to 16.
+        let parallel = (req.count as usize).clamp(1, 16);
         let requests = (0..req.count).map(|i| {
             let mut metadata = req.metadata.clone();
             metadata.insert("moat.fork-index".into(), i.to_string());
