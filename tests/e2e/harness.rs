@@ -625,6 +625,26 @@ fn ensure_template(client: Client, name: &'static str) {
     .unwrap_or_else(|_| panic!("template {name} build"));
 }
 
+/// A test's own daemon removes its sandboxes when the test ends, passed or failed: sandboxes outlive
+/// their daemon by design, and a panicking test's temporary data dir goes away with it, so nothing
+/// else would. (The shared daemon is a static and never dropped; its sandboxes are the tests'.)
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.lock().map(|c| c.is_none()).unwrap_or(true) {
+            return;
+        }
+        let key = std::fs::read_to_string(self.data_dir.join("api-key")).unwrap_or_default();
+        let _ = Command::new(moat_bin())
+            .args(["rm", "--all"])
+            .env("MOAT_URL", &self.url)
+            .env("MOAT_API_KEY", key.trim())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        self.stop();
+    }
+}
+
 /// A TCP listener on 127.0.0.1 whose connections are relayed to the unix socket `path` (which may not
 /// exist yet); returns its port. Lives as long as the test binary.
 pub fn unix_forwarder(path: PathBuf) -> u16 {
