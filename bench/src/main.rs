@@ -59,7 +59,7 @@ struct Args {
     /// Data directory of the bench's daemon; kept between runs so the template is reused.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Run only these scenarios (comma-separated: cold, burst, exec, density, files, saturation,
+    /// Run only these scenarios (comma-separated: cold, burst, exec, snapshots, density, files, saturation,
     /// hardening); default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(scenarios::NAMES))]
     only: Vec<String>,

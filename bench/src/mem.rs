@@ -83,18 +83,8 @@ struct Proc {
 }
 
 fn scan() -> Vec<Proc> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let mut out = Vec::new();
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for pid in crate::peers::pids() {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         // `pid (comm) state ppid ...`: comm may hold spaces, so split after its closing parenthesis.
         let ppid = stat

@@ -381,18 +381,21 @@ pub fn find_descendant(pid: u32, name: &str) -> Option<u32> {
     None
 }
 
+/// Every process id in /proc now.
+pub fn pids() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse().ok()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// A process whose cgroup path (any hierarchy) contains `needle` and that is PID 1 of its pid
 /// namespace: the init of a moat sandbox.
 pub fn find_sandbox_init(needle: &str) -> Option<u32> {
-    let entries = std::fs::read_dir("/proc").ok()?;
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for pid in pids() {
         let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
         if !cgroup.contains(needle) {
             continue;

@@ -491,6 +491,16 @@ pub fn busybox_rootfs(dir: &Path) -> PathBuf {
     root
 }
 
+/// Registers the busybox root filesystem of [`busybox_rootfs`] as template `bb` (fast: no debootstrap).
+pub async fn register_bb(c: &Client, rootfs: &Path) {
+    c.register_template(&moat_api::RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .expect("register the busybox template");
+}
+
 /// Waits until the API no longer knows the sandbox (its row goes last, after the host cleanup).
 pub async fn wait_not_found(c: &Client, id: &str) {
     for _ in 0..100 {

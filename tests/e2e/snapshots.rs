@@ -3,9 +3,8 @@
 use std::time::Duration;
 
 use moat_api::{
-    CreateSandboxRequest, CreateSnapshotRequest, ErrorCode, ForkRequest, OnTimeout,
-    RegisterTemplateRequest, ResetRequest, ResumeRequest, SandboxState, SnapshotKind,
-    StartProcessRequest,
+    CreateSandboxRequest, CreateSnapshotRequest, ErrorCode, ForkRequest, OnTimeout, ResetRequest,
+    ResumeRequest, SandboxState, SnapshotKind, StartProcessRequest,
 };
 use moat_client::Client;
 
@@ -381,12 +380,7 @@ async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
     let rootfs = busybox_rootfs(tmp.path());
     let d = Daemon::start(&tmp.path().join("data"));
     let c = d.client();
-    c.register_template(&RegisterTemplateRequest {
-        name: "bb".into(),
-        path: rootfs.display().to_string(),
-    })
-    .await
-    .unwrap();
+    register_bb(&c, &rootfs).await;
     let sbx = c
         .create_sandbox(&CreateSandboxRequest {
             template: Some("bb".into()),

@@ -313,6 +313,17 @@ pub const ALL_PEERS: [Peer; 6] = [
 pub fn true_peer(ctx: &Ctx<'_>, peer: Peer, tag: &str) -> (Row, Option<Launch>) {
     let prefix = ctx.name(tag);
     let bundle = || ctx.bundle("bundle-true", &["/bin/true"]);
+    // An OCI runtime (runc, runsc) running the `/bin/true` bundle; `pkg` names it when missing.
+    let oci = |base: Option<Vec<OsString>>, pkg: &str| match base {
+        Some(base) => bundle()
+            .map(|bundle| Launch::Oci {
+                base,
+                bundle,
+                prefix: prefix.clone(),
+            })
+            .map_err(|e| RowStatus::Failed(format!("{e:#}"))),
+        None => Err(missing(pkg)),
+    };
     let (name, iso, launch): (&str, String, Result<Launch, RowStatus>) = match peer {
         Peer::Bwrap => (
             "bwrap --unshare-all",
@@ -337,30 +348,12 @@ pub fn true_peer(ctx: &Ctx<'_>, peer: Peer, tag: &str) -> (Row, Option<Launch>) 
         Peer::RunscRun => (
             "runsc run (OCI bundle)",
             format!("{GVISOR}; pid, net, ipc, uts, mount ns in the spec; read-only root"),
-            match ctx.runsc_base() {
-                Some(base) => bundle()
-                    .map(|bundle| Launch::Oci {
-                        base,
-                        bundle,
-                        prefix,
-                    })
-                    .map_err(|e| RowStatus::Failed(format!("{e:#}"))),
-                None => Err(missing("runsc")),
-            },
+            oci(ctx.runsc_base(), "runsc"),
         ),
         Peer::RuncRun => (
             "runc run (OCI bundle)",
             ctx.iso.runc.clone(),
-            match ctx.runc_base() {
-                Some(base) => bundle()
-                    .map(|bundle| Launch::Oci {
-                        base,
-                        bundle,
-                        prefix,
-                    })
-                    .map_err(|e| RowStatus::Failed(format!("{e:#}"))),
-                None => Err(missing("runc")),
-            },
+            oci(ctx.runc_base(), "runc"),
         ),
         Peer::PodmanRun => (
             "podman run --rm (runc)",

@@ -440,17 +440,23 @@ impl Sandboxes {
         })
     }
 
+    /// A sandbox lifetime in seconds: 1..=`--max-timeout`.
+    fn check_timeout(&self, t: u64) -> ApiResult<()> {
+        if t == 0 || t > self.args.max_timeout {
+            return Err(ApiError::invalid(
+                "timeout",
+                format!(
+                    "timeout must be 1..={} seconds, got {t}",
+                    self.args.max_timeout
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn validate(&self, req: &CreateSandboxRequest) -> ApiResult<()> {
         if let Some(t) = req.timeout {
-            if t == 0 || t > self.args.max_timeout {
-                return Err(ApiError::invalid(
-                    "timeout",
-                    format!(
-                        "timeout must be 1..={} seconds, got {t}",
-                        self.args.max_timeout
-                    ),
-                ));
-            }
+            self.check_timeout(t)?;
         }
         if let Some(c) = req.cpu {
             if !c.is_finite() || c < 0.01 || c > self.host_cpus {
@@ -925,15 +931,7 @@ impl Sandboxes {
 
     pub fn set_timeout(&self, id: &str, timeout: u64) -> ApiResult<Sandbox> {
         let rec = self.record(id)?;
-        if timeout == 0 || timeout > self.args.max_timeout {
-            return Err(ApiError::invalid(
-                "timeout",
-                format!(
-                    "timeout must be 1..={} seconds, got {timeout}",
-                    self.args.max_timeout
-                ),
-            ));
-        }
+        self.check_timeout(timeout)?;
         if rec.state == SandboxState::Stopping {
             return Err(ApiError::conflict(format!("sandbox {id} is stopping")));
         }

@@ -228,6 +228,14 @@ pub(crate) fn ndjson_response<T: serde::Serialize + Send + 'static>(
         .map_err(ApiError::internal)
 }
 
+/// The API key a request carries: `Authorization: Bearer <key>` or `X-API-Key: <key>`.
+fn api_key_given(h: &http::HeaderMap) -> Option<&str> {
+    h.get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
+}
+
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
     let at_ms = crate::sandboxes::now_ms();
     let template = req
@@ -238,12 +246,7 @@ async fn auth(State(st): St, req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let mut sandbox_id = path_param(&template, req.uri().path(), "{id}");
     let query = req.uri().query().map(str::to_string);
-    let h = req.headers();
-    let given = h
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
+    let given = api_key_given(req.headers());
     let (actor, resp) = match given {
         Some(k) if constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes()) => {
             (crate::audit::key_id(&st.api_key), next.run(req).await)

@@ -20,7 +20,7 @@ use http::{header, HeaderMap, HeaderValue, StatusCode};
 use hyper_util::rt::TokioIo;
 use moat_api::ErrorCode;
 
-use super::{constant_time_eq, AppState};
+use super::{api_key_given, constant_time_eq, AppState};
 use crate::error::ApiError;
 
 const TOKEN_HEADER: &str = "x-moat-access-token";
@@ -91,12 +91,9 @@ fn authorized(
     if sbx.allow_public_traffic {
         return true;
     }
-    let key = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
-    if key.is_some_and(|k| constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes())) {
+    if api_key_given(headers)
+        .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), st.api_key.as_bytes()))
+    {
         return true;
     }
     let token = sbx.access_token.as_bytes();

@@ -437,15 +437,7 @@ impl Sandboxes {
     /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).
     pub async fn resume(&self, id: &str, req: ResumeRequest) -> ApiResult<PauseResult> {
         let timeout = req.timeout.unwrap_or(self.args.default_timeout);
-        if timeout == 0 || timeout > self.args.max_timeout {
-            return Err(ApiError::invalid(
-                "timeout",
-                format!(
-                    "timeout must be 1..={} seconds, got {timeout}",
-                    self.args.max_timeout
-                ),
-            ));
-        }
+        self.check_timeout(timeout)?;
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
