@@ -27,8 +27,12 @@ use crate::users::User;
 /// Exited processes kept for `GET /processes` and re-attach.
 const MAX_EXITED: usize = 64;
 /// How long after the exit the agent waits for the output pipes to reach EOF (a background child may
-/// hold them open forever).
+/// hold them open forever). What is already in a pipe is always read first, however late the output
+/// thread gets to run: the exit event never overtakes the output written before it.
 const OUTPUT_GRACE: Duration = Duration::from_millis(300);
+/// After the grace, at most this much more is read before the exit is reported (a background child
+/// that writes without pause must not hold the exit back forever).
+const DRAIN_AFTER_GRACE: usize = 1 << 20;
 const READ_BUF: usize = 64 * 1024;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -64,6 +68,8 @@ pub struct Proc {
     /// The sandbox's OOM-kill count when the process started (None: unknown).
     oom_before: Option<u64>,
     fin: Mutex<Fin>,
+    /// An eventfd the reaper makes readable when the process exits; it wakes the output threads.
+    exit_fd: OwnedFd,
 }
 
 #[derive(Default)]
@@ -120,15 +126,19 @@ impl Proc {
         if outputs_done {
             self.ring.finish(status);
         } else {
-            let me = Arc::clone(self);
-            std::thread::spawn(move || {
-                std::thread::sleep(OUTPUT_GRACE);
-                me.ring.finish(status);
-            });
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a valid u64 to an eventfd this Proc owns.
+            unsafe {
+                libc::write(
+                    self.exit_fd.as_raw_fd(),
+                    (&one as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            };
         }
     }
 
-    /// Called by an output thread at EOF.
+    /// Called once by each output thread, at EOF or when the grace after the exit has passed.
     fn output_done(&self) {
         let mut fin = lock(&self.fin);
         fin.open_outputs = fin.open_outputs.saturating_sub(1);
@@ -331,6 +341,15 @@ impl Processes {
             });
         }
 
+        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(ApiError::internal(format!("eventfd: {err}")));
+        }
+        // SAFETY: eventfd returned a new descriptor that nothing else owns.
+        let exit_fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) };
+
         let guard = lock(&self.spawn_lock);
         if let Some(tag) = &spec.tag {
             if lock(&self.table)
@@ -387,6 +406,7 @@ impl Processes {
                 status: None,
                 open_outputs: outputs.len() as u32,
             }),
+            exit_fd,
         });
         lock(&self.table).running.insert(pid, Arc::clone(&proc));
         drop(guard);
@@ -483,15 +503,73 @@ pub fn decode_status(raw: i32) -> ExitStatus {
 }
 
 /// Copies one output of a process into its ring until EOF (EIO on a pty whose slave is closed).
+///
+/// Until the process has exited and this output is drained, the thread holds the exit event back
+/// (`output_done`): it waits on the pipe and the exit eventfd together, and after the exit keeps
+/// reading while data is there, for up to `OUTPUT_GRACE` waiting for EOF. Then it releases the exit
+/// but goes on copying until EOF, so a background child that inherited the pipe never gets SIGPIPE.
 fn pump_output(proc: Arc<Proc>, stream: Stream, mut file: File) {
     let mut buf = vec![0u8; READ_BUF];
     let mut carry = Utf8Carry::default();
+    let mut released = false;
+    let mut deadline: Option<std::time::Instant> = None;
+    let mut after_grace = 0usize;
     loop {
+        if !released {
+            let mut fds = [
+                libc::pollfd {
+                    fd: file.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: proc.exit_fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            let (n, timeout) = match deadline {
+                None => (2, -1),
+                Some(d) => (
+                    1,
+                    d.saturating_duration_since(std::time::Instant::now())
+                        .as_millis() as i32,
+                ),
+            };
+            // SAFETY: `fds` is a valid array of at least `n` pollfd structs.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, timeout) };
+            if r < 0 {
+                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                released = true;
+                proc.output_done();
+                continue;
+            }
+            if deadline.is_none() && fds[1].revents != 0 {
+                deadline = Some(std::time::Instant::now() + OUTPUT_GRACE);
+            }
+            if fds[0].revents == 0 {
+                if r == 0 {
+                    // The grace passed with nothing left to read.
+                    released = true;
+                    proc.output_done();
+                }
+                continue;
+            }
+        }
         match file.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
                 let out = carry.feed(&buf[..n]);
                 proc.ring.push(stream, Bytes::from(out), now_us());
+                if !released && deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                    after_grace += n;
+                    if after_grace >= DRAIN_AFTER_GRACE {
+                        released = true;
+                        proc.output_done();
+                    }
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => break,
@@ -499,7 +577,9 @@ fn pump_output(proc: Arc<Proc>, stream: Stream, mut file: File) {
     }
     proc.ring
         .push(stream, Bytes::from(carry.finish()), now_us());
-    proc.output_done();
+    if !released {
+        proc.output_done();
+    }
 }
 
 /// Sends `sig` to the process group of `proc` (its pid: every process gets its own group).

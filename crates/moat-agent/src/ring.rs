@@ -66,11 +66,21 @@ struct State {
     readers: HashMap<u64, u64>,
     next_reader: u64,
     exit: Option<ExitStatus>,
+    /// `end` when the exit was recorded: readers get the exit once they have read up to here. Output
+    /// that comes later (a background child still writing) stays in the ring for a replaying
+    /// re-attach but never holds a live stream's exit back.
+    exit_at: u64,
 }
 
 impl State {
+    /// The cursor of the slowest reader that still has output to read before the exit.
     fn min_cursor(&self) -> Option<u64> {
-        self.readers.values().copied().min()
+        let limit = if self.exit.is_some() {
+            self.exit_at
+        } else {
+            u64::MAX
+        };
+        self.readers.values().copied().filter(|c| *c < limit).min()
     }
 }
 
@@ -115,11 +125,7 @@ impl Ring {
         let mut st = self.lock();
         loop {
             match st.min_cursor() {
-                Some(min)
-                    if min < st.end
-                        && st.end + len - min > self.cap as u64
-                        && st.exit.is_none() =>
-                {
+                Some(min) if min < st.end && st.end + len - min > self.cap as u64 => {
                     st = self.room.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
                 _ => break,
@@ -156,6 +162,7 @@ impl Ring {
         let mut st = self.lock();
         if st.exit.is_none() {
             st.exit = Some(status);
+            st.exit_at = st.end;
         }
         drop(st);
         self.room.notify_all();
@@ -196,7 +203,12 @@ impl Reader {
             st.readers.insert(self.id, start);
             return Some(Item::Dropped(start - cursor));
         }
-        if cursor < st.end {
+        let until = if st.exit.is_some() {
+            st.exit_at
+        } else {
+            st.end
+        };
+        if cursor < until {
             let idx = st
                 .chunks
                 .partition_point(|c| c.start + c.data.len() as u64 <= cursor);
@@ -207,6 +219,7 @@ impl Reader {
             self.ring.room.notify_all();
             return Some(Item::Chunk(chunk));
         }
+        // Without an exit `until` is `end`: nothing to read yet.
         st.exit.clone().map(Item::Exit)
     }
 
@@ -292,6 +305,30 @@ mod tests {
         let c = r.next().await;
         assert!(matches!(&c, Item::Chunk(c) if c.stream == Stream::Stderr));
         assert!(matches!(r.next().await, Item::Exit(_)));
+    }
+
+    #[tokio::test]
+    async fn exit_comes_after_earlier_output_not_after_later_output() {
+        let ring = Ring::new(8);
+        let mut live = ring.attach(true);
+        ring.push(Stream::Stdout, Bytes::from_static(b"before"), 1);
+        ring.finish(ExitStatus::default());
+        // A background child goes on writing far past the ring's size: the reader still gets all
+        // the output from before the exit, then the exit, and the writer is not held back after.
+        let w = Arc::clone(&ring);
+        let writer = std::thread::spawn(move || {
+            for _ in 0..100 {
+                w.push(Stream::Stdout, Bytes::from_static(b"later"), 2);
+            }
+        });
+        assert_eq!(data_of(live.next().await), b"before");
+        assert!(matches!(live.next().await, Item::Exit(_)));
+        writer.join().expect("writer");
+        // A live attach after the exit ends at once; a replaying one learns what was dropped.
+        assert!(matches!(ring.attach(false).next().await, Item::Exit(_)));
+        let mut replay = ring.attach(true);
+        assert!(matches!(replay.next().await, Item::Dropped(_)));
+        assert!(matches!(replay.next().await, Item::Exit(_)));
     }
 
     #[tokio::test]

@@ -210,6 +210,76 @@ async fn foreground_output_and_exit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_waits_for_output_but_not_for_background_children() {
+    let mut c = start().await;
+    // A silent background child keeps the pipe open: the exit comes after the grace, with everything
+    // written before it.
+    let t = std::time::Instant::now();
+    let ev = c
+        .events(
+            Method::POST,
+            "/processes",
+            json!({"command": "sleep 5 & echo before; head -c 100000 /dev/zero | tr '\\0' a"}),
+        )
+        .await;
+    let out = output(&ev, "stdout");
+    assert!(
+        out.starts_with("before\n"),
+        "{:?}",
+        &out[..out.len().min(40)]
+    );
+    assert_eq!(out.len(), 7 + 100_000);
+    assert_eq!(exit(&ev).exit_code, Some(0));
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+
+    // A background child that writes without pause does not hold the exit back either.
+    let t = std::time::Instant::now();
+    let ev = c
+        .events(
+            Method::POST,
+            "/processes",
+            json!({"command": "timeout 8 yes x & echo before"}),
+        )
+        .await;
+    assert!(output(&ev, "stdout").starts_with("before\n"));
+    assert_eq!(exit(&ev).exit_code, Some(0));
+    assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+
+    // Many commands at once on two cores: each one's output is whole when its exit arrives.
+    let mut runs = Vec::new();
+    for i in 0..48 {
+        let mut send = c.send.clone();
+        runs.push(tokio::spawn(async move {
+            let body = json!({"command": format!("echo start{i}; head -c 50000 /dev/zero | tr '\\0' b; echo end{i}")});
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri("http://agent/processes")
+                .body(Full::new(Bytes::from(body.to_string())))
+                .expect("request");
+            let resp = send.send_request(req).await.expect("send");
+            let b = resp.into_body().collect().await.expect("body").to_bytes();
+            let ev: Vec<ProcessEvent> = b
+                .split(|c| *c == b'\n')
+                .filter(|l| !l.is_empty())
+                .map(|l| serde_json::from_slice(l).expect("event"))
+                .collect();
+            (i, output(&ev, "stdout"), exit(&ev).exit_code)
+        }));
+    }
+    for r in runs {
+        let (i, out, code) = r.await.expect("join");
+        assert_eq!(code, Some(0));
+        let want = format!("start{i}\n{}end{i}\n", "b".repeat(50_000));
+        assert!(
+            out == want,
+            "command {i}: {} bytes of {}",
+            out.len(),
+            want.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_stdin_and_reattach() {
     let mut c = start().await;
     let (s, v) = c
