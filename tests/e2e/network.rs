@@ -231,10 +231,14 @@ async fn egress_policy_in_a_test_made_network() {
     let tmp = tempfile::tempdir().unwrap();
     let topo = Topology::new(tmp.path());
     let rootfs = busybox_rootfs(tmp.path());
+    let deny_file = tmp.path().join("deny.txt");
+    std::fs::write(&deny_file, "# known-bad destinations\n").unwrap();
     let d = Daemon::start_in_netns(
         &tmp.path().join("data"),
         &topo.host,
         &[
+            "--deny-list",
+            deny_file.to_str().unwrap(),
             "--network",
             "nat",
             "--dns",
@@ -258,6 +262,38 @@ async fn egress_policy_in_a_test_made_network() {
             .await
             .as_deref(),
         Some("hello")
+    );
+    // The daemon-wide deny list is reloaded when its file changes and beats the sandbox's policy;
+    // a malformed file leaves the list in force as it was.
+    let hello = format!("http://{INTERNET}:8080/");
+    let reachable = |want: bool| {
+        let (c, id, url) = (&c, a.id.clone(), hello.clone());
+        async move {
+            for _ in 0..20 {
+                if fetch(c, &id, &url).await.is_some() == want {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            false
+        }
+    };
+    std::fs::write(
+        &deny_file,
+        format!("# known-bad destinations\n{INTERNET}/32\n"),
+    )
+    .unwrap();
+    assert!(reachable(false).await, "a denied address stayed reachable");
+    std::fs::write(&deny_file, "not an address\n").unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        reachable(false).await,
+        "a malformed deny list dropped the old one"
+    );
+    std::fs::write(&deny_file, "# emptied\n").unwrap();
+    assert!(
+        reachable(true).await,
+        "the deny list's entry outlived its removal"
     );
     // DNS goes to the daemon's resolver whatever server the sandbox asks (here 203.0.113.53, a
     // documentation address no server of the test holds).

@@ -308,9 +308,51 @@ fn network_for(args: &config::ServeArgs) -> Result<Option<host::net::Network>> {
         uplink.clone(),
         dns,
         tier::container::MAX_SLOTS,
-    )?;
+    )?
+    .with_deny_files(args.deny_list.clone())?;
     tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, "sandbox networking: NAT");
+    if !args.deny_list.is_empty() {
+        tokio::spawn(watch_deny_list(net.clone()));
+    }
     Ok(Some(net))
+}
+
+/// Reloads the daemon-wide deny list when one of its files changes (checked every 2 s) or on
+/// SIGHUP. A file that no longer parses is logged and the list in force stays as it was.
+async fn watch_deny_list(net: host::net::Network) {
+    let read = |net: &host::net::Network| -> Vec<Option<Vec<u8>>> {
+        net.deny_files()
+            .iter()
+            .map(|f| std::fs::read(f).ok())
+            .collect()
+    };
+    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "no SIGHUP handler: the deny list reloads on change only");
+            None
+        }
+    };
+    let mut seen = read(&net);
+    loop {
+        let forced = tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => false,
+            Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => None } } => true,
+        };
+        let now = read(&net);
+        if !forced && now == seen {
+            continue;
+        }
+        seen = now;
+        let n = net.clone();
+        match tokio::task::spawn_blocking(move || n.reload_deny_list()).await {
+            Ok(Ok(count)) => tracing::info!(entries = count, "deny list reloaded"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %format!("{e:#}"), "deny list not reloaded; the previous one stays in force")
+            }
+            Err(e) => tracing::warn!(error = %e, "deny list reload failed"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -40,6 +41,29 @@ pub struct Network {
     /// Masquerade only out of this interface; None: out of any interface that is not a sandbox's.
     uplink: Option<String>,
     dns: Ipv4Addr,
+    /// Daemon-wide deny lists (`--deny-list`): files of IPv4 addresses and CIDRs no sandbox reaches,
+    /// whatever its own policy allows; re-read on change.
+    deny_files: Vec<PathBuf>,
+}
+
+/// Parses a deny-list file: one IPv4 address or CIDR per line, `#` starts a comment, blank lines
+/// are skipped. IPv6 entries are skipped (sandboxes have no IPv6 route at all); anything else that
+/// is not an address is an error naming the file and line.
+pub fn parse_deny_list(text: &str, file: &str) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let entry = line.split('#').next().unwrap_or("").trim();
+        if entry.is_empty() {
+            continue;
+        }
+        let addr = entry.split('/').next().unwrap_or("");
+        if addr.parse::<std::net::Ipv6Addr>().is_ok() {
+            continue;
+        }
+        let (a, l) = parse_cidr(entry).map_err(|m| anyhow!("{file}:{}: {m}", n + 1))?;
+        out.push(format!("{a}/{l}"));
+    }
+    Ok(out)
 }
 
 /// Runs a program with `input` on stdin; the error carries its stderr.
@@ -130,7 +154,56 @@ impl Network {
             subnet_len: len,
             uplink,
             dns,
+            deny_files: Vec::new(),
         })
+    }
+
+    /// Adds daemon-wide deny-list files; each is read now, so a missing or malformed one stops the
+    /// daemon from starting with a clear error.
+    pub fn with_deny_files(mut self, files: Vec<PathBuf>) -> Result<Network> {
+        self.deny_files = files;
+        self.deny_list()?;
+        Ok(self)
+    }
+
+    pub fn deny_files(&self) -> &[PathBuf] {
+        &self.deny_files
+    }
+
+    /// The entries of every deny-list file, as they are now.
+    pub fn deny_list(&self) -> Result<Vec<String>> {
+        let mut all = Vec::new();
+        for f in &self.deny_files {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("--deny-list {}", f.display()))?;
+            all.extend(parse_deny_list(&text, &f.display().to_string())?);
+        }
+        Ok(all)
+    }
+
+    fn deny_elements(list: &[String]) -> String {
+        if list.is_empty() {
+            String::new()
+        } else {
+            format!(" elements = {{ {} }};", list.join(", "))
+        }
+    }
+
+    /// Re-reads the deny-list files and swaps the set's contents in one transaction. The egress
+    /// chain sees every outgoing packet, so connections already open to a newly denied address are
+    /// cut too. Returns how many entries are in force.
+    pub fn reload_deny_list(&self) -> Result<usize> {
+        let list = self.deny_list()?;
+        let t = &self.table;
+        let mut s = format!("flush set inet {t} deny4\n");
+        if !list.is_empty() {
+            s.push_str(&format!(
+                "add element inet {t} deny4 {{ {} }}\n",
+                list.join(", ")
+            ));
+        }
+        run(&["nft", "-f", "-"], &s).context("load the deny list")?;
+        Ok(list.len())
     }
 
     /// Host-side (gateway) and sandbox addresses of a slot's /30.
@@ -161,6 +234,7 @@ impl Network {
             "table inet {t} {{}}\ndelete table inet {t}\ntable inet {t} {{\n\
              \tset never4 {{ type ipv4_addr; flags interval; elements = {{ {never} }} }}\n\
              \tset private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }} }}\n\
+             \tset deny4 {{ type ipv4_addr; flags interval; auto-merge;{deny} }}\n\
              \tmap by_if {{ type ifname : verdict; }}\n\
              \tchain input {{ type filter hook input priority filter - 5; policy accept;\n\
              \t\tiifname \"{p}h*\" ct state established,related accept\n\
@@ -172,6 +246,7 @@ impl Network {
              \tchain egress {{\n\
              \t\tmeta nfproto ipv6 reject\n\
              \t\tip daddr @never4 reject\n\
+             \t\tip daddr @deny4 reject\n\
              \t\tiifname vmap @by_if\n\
              \t\tct status dnat meta l4proto {{ tcp, udp }} th dport 53 accept\n\
              \t\tip daddr @private4 reject\n\
@@ -182,6 +257,7 @@ impl Network {
              \t\t{masq}\n\t}}\n}}\n",
             never = never.join(", "),
             private = PRIVATE.join(", "),
+            deny = Self::deny_elements(&self.deny_list()?),
             dns = self.dns,
         );
         for (slot, policy) in live {
@@ -355,6 +431,33 @@ mod tests {
             4096
         )
         .is_err());
+    }
+
+    #[test]
+    fn deny_list_files() {
+        let list = parse_deny_list(
+            "# known bad\n203.0.113.7\n\n198.51.100.0/24  # a range\n2001:db8::/32\n",
+            "bad.txt",
+        )
+        .unwrap();
+        assert_eq!(list, ["203.0.113.7/32", "198.51.100.0/24"]);
+        let err = parse_deny_list("203.0.113.7\nevil.example\n", "bad.txt").unwrap_err();
+        assert!(err.to_string().starts_with("bad.txt:2: "), "{err}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("deny.txt");
+        std::fs::write(&f, "203.0.113.0/24\n").unwrap();
+        let n = net().with_deny_files(vec![f.clone()]).unwrap();
+        let rules = n.ruleset(&BTreeMap::new()).unwrap();
+        assert!(rules.contains("elements = { 203.0.113.0/24 }"), "{rules}");
+        // Checked before any sandbox's own policy: a sandbox's allow_out cannot undo it.
+        let deny = rules.find("ip daddr @deny4 reject").unwrap();
+        assert!(deny < rules.find("iifname vmap @by_if").unwrap());
+        assert!(net()
+            .with_deny_files(vec![dir.path().join("missing")])
+            .is_err());
+        std::fs::write(&f, "not an address\n").unwrap();
+        assert!(n.deny_list().is_err());
     }
 
     #[test]
