@@ -9,16 +9,19 @@
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use moat_api::{ExitStatus, ProcessInfo, ProcessSelector, PtySize};
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use crate::http::{now_us, ApiError};
 use crate::ring::{Reader, Ring, Stream, Utf8Carry};
@@ -69,7 +72,7 @@ pub struct Proc {
     oom_before: Option<u64>,
     fin: Mutex<Fin>,
     /// An eventfd the reaper makes readable when the process exits; it wakes the output threads.
-    exit_fd: OwnedFd,
+    exit_fd: EventFd,
 }
 
 #[derive(Default)]
@@ -126,15 +129,8 @@ impl Proc {
         if outputs_done {
             self.ring.finish(status);
         } else {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a valid u64 to an eventfd this Proc owns.
-            unsafe {
-                libc::write(
-                    self.exit_fd.as_raw_fd(),
-                    (&one as *const u64).cast(),
-                    std::mem::size_of::<u64>(),
-                )
-            };
+            // Cannot fail short of the counter overflowing, which one write per exit never does.
+            let _ = self.exit_fd.write(1);
         }
     }
 
@@ -341,14 +337,8 @@ impl Processes {
             });
         }
 
-        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if efd < 0 {
-            let err = std::io::Error::last_os_error();
-            return Err(ApiError::internal(format!("eventfd: {err}")));
-        }
-        // SAFETY: eventfd returned a new descriptor that nothing else owns.
-        let exit_fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) };
+        let exit_fd = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(|e| ApiError::internal(format!("eventfd: {e}")))?;
 
         let guard = lock(&self.spawn_lock);
         if let Some(tag) = &spec.tag {
@@ -512,44 +502,37 @@ fn pump_output(proc: Arc<Proc>, stream: Stream, mut file: File) {
     let mut buf = vec![0u8; READ_BUF];
     let mut carry = Utf8Carry::default();
     let mut released = false;
-    let mut deadline: Option<std::time::Instant> = None;
+    let mut deadline: Option<Instant> = None;
     let mut after_grace = 0usize;
     loop {
         if !released {
             let mut fds = [
-                libc::pollfd {
-                    fd: file.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: proc.exit_fd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
+                PollFd::new(file.as_fd(), PollFlags::POLLIN),
+                PollFd::new(proc.exit_fd.as_fd(), PollFlags::POLLIN),
             ];
+            // Before the exit: wait for output or the exit. After it: for output, until the deadline.
             let (n, timeout) = match deadline {
-                None => (2, -1),
+                None => (2, PollTimeout::NONE),
                 Some(d) => (
                     1,
-                    d.saturating_duration_since(std::time::Instant::now())
-                        .as_millis() as i32,
+                    PollTimeout::try_from(d.saturating_duration_since(Instant::now()))
+                        .unwrap_or(PollTimeout::MAX),
                 ),
             };
-            // SAFETY: `fds` is a valid array of at least `n` pollfd structs.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, timeout) };
-            if r < 0 {
-                if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            let r = match poll(&mut fds[..n], timeout) {
+                Ok(r) => r,
+                Err(Errno::EINTR) => continue,
+                Err(_) => {
+                    released = true;
+                    proc.output_done();
                     continue;
                 }
-                released = true;
-                proc.output_done();
-                continue;
+            };
+            let ready = |fd: &PollFd| fd.any().unwrap_or(false);
+            if deadline.is_none() && ready(&fds[1]) {
+                deadline = Some(Instant::now() + OUTPUT_GRACE);
             }
-            if deadline.is_none() && fds[1].revents != 0 {
-                deadline = Some(std::time::Instant::now() + OUTPUT_GRACE);
-            }
-            if fds[0].revents == 0 {
+            if !ready(&fds[0]) {
                 if r == 0 {
                     // The grace passed with nothing left to read.
                     released = true;
@@ -563,7 +546,7 @@ fn pump_output(proc: Arc<Proc>, stream: Stream, mut file: File) {
             Ok(n) => {
                 let out = carry.feed(&buf[..n]);
                 proc.ring.push(stream, Bytes::from(out), now_us());
-                if !released && deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                if !released && deadline.is_some_and(|d| Instant::now() >= d) {
                     after_grace += n;
                     if after_grace >= DRAIN_AFTER_GRACE {
                         released = true;

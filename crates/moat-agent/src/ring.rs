@@ -73,14 +73,19 @@ struct State {
 }
 
 impl State {
-    /// The cursor of the slowest reader that still has output to read before the exit.
-    fn min_cursor(&self) -> Option<u64> {
-        let limit = if self.exit.is_some() {
+    /// Where a live stream's output ends: the exit offset once there is one, else the newest byte.
+    fn stream_end(&self) -> u64 {
+        if self.exit.is_some() {
             self.exit_at
         } else {
-            u64::MAX
-        };
-        self.readers.values().copied().filter(|c| *c < limit).min()
+            self.end
+        }
+    }
+
+    /// The cursor of the slowest reader that still has output to read (before the exit, if any).
+    fn min_cursor(&self) -> Option<u64> {
+        let end = self.stream_end();
+        self.readers.values().copied().filter(|c| *c < end).min()
     }
 }
 
@@ -125,7 +130,7 @@ impl Ring {
         let mut st = self.lock();
         loop {
             match st.min_cursor() {
-                Some(min) if min < st.end && st.end + len - min > self.cap as u64 => {
+                Some(min) if st.end + len - min > self.cap as u64 => {
                     st = self.room.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
                 _ => break,
@@ -203,12 +208,7 @@ impl Reader {
             st.readers.insert(self.id, start);
             return Some(Item::Dropped(start - cursor));
         }
-        let until = if st.exit.is_some() {
-            st.exit_at
-        } else {
-            st.end
-        };
-        if cursor < until {
+        if cursor < st.stream_end() {
             let idx = st
                 .chunks
                 .partition_point(|c| c.start + c.data.len() as u64 <= cursor);
@@ -219,7 +219,7 @@ impl Reader {
             self.ring.room.notify_all();
             return Some(Item::Chunk(chunk));
         }
-        // Without an exit `until` is `end`: nothing to read yet.
+        // Caught up: the exit if there is one, else nothing yet.
         st.exit.clone().map(Item::Exit)
     }
 

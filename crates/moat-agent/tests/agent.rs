@@ -85,12 +85,7 @@ impl Conn {
         path: &str,
         body: impl Into<Bytes>,
     ) -> hyper::Response<hyper::body::Incoming> {
-        let req = Request::builder()
-            .method(method)
-            .uri(format!("http://agent{path}"))
-            .body(Full::new(body.into()))
-            .expect("request");
-        self.send.send_request(req).await.expect("send")
+        request(&mut self.send, method, path, body).await
     }
 
     async fn call(
@@ -118,11 +113,31 @@ impl Conn {
     async fn events(&mut self, method: Method, path: &str, body: Value) -> Vec<ProcessEvent> {
         let (s, b) = self.call(method, path, body.to_string()).await;
         assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&b));
-        b.split(|c| *c == b'\n')
-            .filter(|l| !l.is_empty())
-            .map(|l| serde_json::from_slice(l).expect("event"))
-            .collect()
+        parse_events(&b)
     }
+}
+
+/// One request on an HTTP/2 connection (a clone of `Conn::send` makes concurrent ones).
+async fn request(
+    send: &mut SendRequest<Full<Bytes>>,
+    method: Method,
+    path: &str,
+    body: impl Into<Bytes>,
+) -> hyper::Response<hyper::body::Incoming> {
+    let req = Request::builder()
+        .method(method)
+        .uri(format!("http://agent{path}"))
+        .body(Full::new(body.into()))
+        .expect("request");
+    send.send_request(req).await.expect("send")
+}
+
+/// A process event stream (JSON lines).
+fn parse_events(body: &[u8]) -> Vec<ProcessEvent> {
+    body.split(|c| *c == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("event"))
+        .collect()
 }
 
 /// Concatenated output of one kind of event, and the exit.
@@ -251,18 +266,9 @@ async fn exit_waits_for_output_but_not_for_background_children() {
         let mut send = c.send.clone();
         runs.push(tokio::spawn(async move {
             let body = json!({"command": format!("echo start{i}; head -c 50000 /dev/zero | tr '\\0' b; echo end{i}")});
-            let req = Request::builder()
-                .method(Method::POST)
-                .uri("http://agent/processes")
-                .body(Full::new(Bytes::from(body.to_string())))
-                .expect("request");
-            let resp = send.send_request(req).await.expect("send");
+            let resp = request(&mut send, Method::POST, "/processes", body.to_string()).await;
             let b = resp.into_body().collect().await.expect("body").to_bytes();
-            let ev: Vec<ProcessEvent> = b
-                .split(|c| *c == b'\n')
-                .filter(|l| !l.is_empty())
-                .map(|l| serde_json::from_slice(l).expect("event"))
-                .collect();
+            let ev = parse_events(&b);
             (i, output(&ev, "stdout"), exit(&ev).exit_code)
         }));
     }

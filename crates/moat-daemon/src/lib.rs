@@ -49,13 +49,17 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
+    let network = network_for(&args)?;
+    if let Some(net) = network.as_ref().filter(|n| !n.deny_files().is_empty()) {
+        tokio::spawn(watch_deny_list(net.clone()));
+    }
     let container = tier::container::ContainerTier::new(
         args.data_dir.join("sandboxes"),
         agent,
         args.uid_base,
         &host::cgroup::parent_for(&args.data_dir),
         !args.no_hardening,
-        network_for(&args)?,
+        network.clone(),
     )?;
     let cgroups = container.cgroups().clone();
     if args.no_hardening {
@@ -311,19 +315,22 @@ fn network_for(args: &config::ServeArgs) -> Result<Option<host::net::Network>> {
     )?
     .with_deny_files(args.deny_list.clone())?;
     tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, "sandbox networking: NAT");
-    if !args.deny_list.is_empty() {
-        tokio::spawn(watch_deny_list(net.clone()));
-    }
     Ok(Some(net))
 }
 
-/// Reloads the daemon-wide deny list when one of its files changes (checked every 2 s) or on
-/// SIGHUP. A file that no longer parses is logged and the list in force stays as it was.
+/// Reloads the daemon-wide deny list when one of its files changes (size or modification time,
+/// checked every 2 s: a threat feed can be large, so it is read only when it changed) or on SIGHUP.
+/// A file that no longer parses is logged and the list in force stays as it was.
 async fn watch_deny_list(net: host::net::Network) {
-    let read = |net: &host::net::Network| -> Vec<Option<Vec<u8>>> {
+    type Stamp = Option<(u64, Option<std::time::SystemTime>)>;
+    let read = |net: &host::net::Network| -> Vec<Stamp> {
         net.deny_files()
             .iter()
-            .map(|f| std::fs::read(f).ok())
+            .map(|f| {
+                std::fs::metadata(f)
+                    .ok()
+                    .map(|m| (m.len(), m.modified().ok()))
+            })
             .collect()
     };
     let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
