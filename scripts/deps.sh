@@ -21,6 +21,7 @@ packages=(
     apache2-utils     # tests: htpasswd for the registry's basic auth
     dnsmasq-base      # tests: the DNS server of the network test's "internet" namespace
     python3           # tests: HTTP servers inside test namespaces and sandboxes
+    openssl           # tests: self-signed certificates of the network test's HTTPS servers
     bubblewrap runc podman runsc  # bench: the peers moat is measured against
 )
 

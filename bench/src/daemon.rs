@@ -30,6 +30,20 @@ impl Daemon {
         wait: Duration,
         extra: &[&str],
     ) -> Result<(Daemon, Client)> {
+        Self::start_in(moat_bin, agent, data_dir, wait, extra, None).await
+    }
+
+    /// The same, in network namespace `netns` (`/run/netns/NAME`, entered with `nsenter --net`): the
+    /// daemon listens on a unix socket in its data dir, which the bench reaches through a loopback
+    /// relay of its own.
+    pub async fn start_in(
+        moat_bin: &Path,
+        agent: &Path,
+        data_dir: &Path,
+        wait: Duration,
+        extra: &[&str],
+        netns: Option<&str>,
+    ) -> Result<(Daemon, Client)> {
         for (what, path) in [("moat binary", moat_bin), ("agent", agent)] {
             if !path.is_file() {
                 bail!(
@@ -45,8 +59,26 @@ impl Daemon {
         let log = data_dir.join("daemon.log");
         let log_file = File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let log_err = log_file.try_clone().context("dup the daemon log")?;
-        let child = Command::new(moat_bin)
-            .arg("serve")
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg(moat_bin);
+                c
+            }
+            None => Command::new(moat_bin),
+        };
+        let url = match netns {
+            Some(_) => {
+                let sock = data_dir.join("api.sock");
+                cmd.arg("serve").arg("--unix-socket").arg(&sock);
+                format!("http://127.0.0.1:{}", unix_relay(sock)?)
+            }
+            None => {
+                cmd.arg("serve");
+                format!("http://{listen}")
+            }
+        };
+        let child = cmd
             .arg("--listen")
             .arg(&listen)
             .arg("--data-dir")
@@ -68,7 +100,7 @@ impl Daemon {
             .with_context(|| format!("start {}", moat_bin.display()))?;
         let mut daemon = Daemon {
             child,
-            url: format!("http://{listen}"),
+            url,
             data_dir: data_dir.to_path_buf(),
             log,
         };
@@ -142,6 +174,36 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A loopback listener whose connections are relayed to the unix socket `path` (which may not exist
+/// yet); returns its port. Lives as long as the bench.
+fn unix_relay(path: PathBuf) -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("bind a relay port")?;
+    let port = listener.local_addr()?.port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(tcp) = conn else { continue };
+            // Streamed answers are many small writes: without it, Nagle and delayed ACKs add ~40 ms.
+            let _ = tcp.set_nodelay(true);
+            let Ok(unix) = std::os::unix::net::UnixStream::connect(&path) else {
+                continue;
+            };
+            let (Ok(mut t2), Ok(mut u2)) = (tcp.try_clone(), unix.try_clone()) else {
+                continue;
+            };
+            let (mut t1, mut u1) = (tcp, unix);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut t1, &mut u1);
+                let _ = u1.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut u2, &mut t2);
+                let _ = t2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    Ok(port)
 }
 
 fn free_port() -> Result<u16> {

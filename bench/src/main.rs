@@ -179,7 +179,7 @@ async fn run(args: Args) -> Result<()> {
     };
     let result = tokio::select! {
         r = bench(&client, &client_u, &daemon, &template_rootfs, &scratch, scale.clone(), tools,
-                  args.quick, &args.only, &cleanup, &cleanup_u) => r,
+                  args.quick, &args.only, &cleanup, &cleanup_u, (&moat_bin, &agent)) => r,
         sig = interrupted() => Err(anyhow!("interrupted by {sig}")),
     };
     eprintln!("cleaning up");
@@ -335,6 +335,7 @@ async fn bench(
     only: &[String],
     cleanup: &Cleanup,
     cleanup_u: &Cleanup,
+    (moat_bin, agent): (&Path, &Path),
 ) -> Result<Results> {
     // Leftovers of a run that crashed.
     for s in client.list_sandboxes(&label_filter()).await? {
@@ -375,6 +376,9 @@ async fn bench(
         tools,
         iso: Isolation::default(),
         quick,
+        moat_bin: moat_bin.to_path_buf(),
+        agent: agent.to_path_buf(),
+        data_dir: daemon.data_dir.clone(),
     };
     ctx.iso = scenarios::probe_isolation(&ctx).await?;
     let sections = scenarios::run_all(&ctx, only).await;

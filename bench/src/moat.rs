@@ -106,3 +106,37 @@ pub async fn run_argv(client: &Client, id: &str, argv: &[&str]) -> Result<()> {
     }
     bail!("the event stream ended without an exit event")
 }
+
+/// Runs `req` in sandbox `id` and collects it: (exit code, stdout, stderr). Output that is not UTF-8
+/// is kept lossily (the bench's commands print text).
+pub async fn run_collect(
+    client: &Client,
+    id: &str,
+    req: StartProcessRequest,
+) -> Result<(Option<i32>, String, String)> {
+    let text = |c: &moat_api::OutputChunk| match (&c.data, &c.data_b64) {
+        (Some(d), _) => d.clone(),
+        (None, Some(b)) => {
+            use base64::Engine;
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .unwrap_or_default();
+            String::from_utf8_lossy(&raw).into_owned()
+        }
+        _ => String::new(),
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    let mut events = client
+        .start_process_stream(id, &req)
+        .await
+        .context("start the command")?;
+    while let Some(ev) = events.next().await {
+        match ev.context("read the process events")? {
+            ProcessEvent::Stdout(c) => out.push_str(&text(&c)),
+            ProcessEvent::Stderr(c) => err.push_str(&text(&c)),
+            ProcessEvent::Exit(status) => return Ok((status.exit_code, out, err)),
+            _ => {}
+        }
+    }
+    bail!("the event stream ended without an exit event")
+}

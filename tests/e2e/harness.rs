@@ -663,6 +663,8 @@ pub fn unix_forwarder(path: PathBuf) -> u16 {
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(tcp) = conn else { continue };
+            // Streamed answers are many small writes: without it, Nagle and delayed ACKs add ~40 ms.
+            let _ = tcp.set_nodelay(true);
             let Ok(unix) = std::os::unix::net::UnixStream::connect(&path) else {
                 continue;
             };

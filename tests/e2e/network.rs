@@ -16,6 +16,8 @@ const INTERNET: &str = "198.51.100.1";
 const HOST_UPLINK: &str = "198.51.100.2";
 const PRIVATE: &str = "10.99.0.1";
 const METADATA: &str = "169.254.169.254";
+/// A second server of the test's "internet", the one the domain tests treat as hostile.
+const EVIL: &str = "198.51.100.3";
 
 fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("ip");
@@ -65,6 +67,7 @@ impl Topology {
                     vec!["addr", "add", "198.51.100.1/24", "dev", &b],
                     vec!["addr", "add", "10.99.0.1/32", "dev", &b],
                     vec!["addr", "add", "169.254.169.254/32", "dev", &b],
+                    vec!["addr", "add", "198.51.100.3/32", "dev", &b],
                     vec!["link", "set", &b, "up"],
                     vec!["link", "set", "lo", "up"],
                 ],
@@ -115,7 +118,63 @@ impl Topology {
                 "--listen-address=198.51.100.1",
                 "--bind-interfaces",
                 "--address=/test.example/198.51.100.1",
+                "--address=/good.example/198.51.100.1",
+                "--address=/also.example/198.51.100.1",
+                "--address=/evil.example/198.51.100.3",
+                // A public name that points inside (DNS rebinding): the proxy must refuse it.
+                "--address=/inside.example/10.99.0.1",
             ],
+        ));
+        // HTTPS: good.example and also.example on one address (the certificate chosen by SNI),
+        // evil.example on another; each certificate names only its own host.
+        let certs = dir.join("certs");
+        std::fs::create_dir_all(&certs).unwrap();
+        for name in ["good.example", "also.example", "evil.example"] {
+            let out = Command::new("openssl")
+                .args([
+                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                ])
+                .args(["-subj", &format!("/CN={name}")])
+                .args(["-addext", &format!("subjectAltName=DNS:{name}")])
+                .arg("-keyout")
+                .arg(certs.join(format!("{name}.key")))
+                .arg("-out")
+                .arg(certs.join(format!("{name}.crt")))
+                .output()
+                .expect("openssl");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let tls_server = format!(
+            "import socket, ssl, sys, threading\n\
+             d = '{certs}'\n\
+             def ctx(n):\n    c = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); c.load_cert_chain(f'{{d}}/{{n}}.crt', f'{{d}}/{{n}}.key'); return c\n\
+             names = sys.argv[2:]; ctxs = {{n: ctx(n) for n in names}}; main = ctxs[names[0]]\n\
+             def pick(sock, name, _):\n    if name in ctxs: sock.context = ctxs[name]\n\
+             main.sni_callback = pick\n\
+             s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+             s.bind((sys.argv[1], 443)); s.listen(64)\n\
+             def h(c):\n    try:\n        t = main.wrap_socket(c, server_side=True); t.recv(4096); t.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\nhello'); t.close()\n    except Exception:\n        c.close()\n\
+             while True:\n    c, _ = s.accept(); threading.Thread(target=h, args=(c,)).start()\n",
+            certs = certs.display()
+        );
+        t.servers.push(spawn(
+            &internet,
+            &[
+                "python3",
+                "-c",
+                &tls_server,
+                INTERNET,
+                "good.example",
+                "also.example",
+            ],
+        ));
+        t.servers.push(spawn(
+            &internet,
+            &["python3", "-c", &tls_server, EVIL, "evil.example"],
         ));
         // A sink: reads 3 MB, answers how much it got.
         t.servers.push(spawn(
@@ -144,7 +203,34 @@ impl Topology {
                 &www,
             ],
         ));
+        // dnsmasq answers (from the "host", as the daemon will ask it).
+        let mut dns_up = false;
+        let mut last = String::new();
+        for _ in 0..200 {
+            let out = Command::new("nsenter")
+                .arg(format!("--net=/run/netns/{host}"))
+                .args(["busybox", "nslookup", "-type=a", "test.example", INTERNET])
+                .output()
+                .unwrap();
+            last = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if last.contains("Address: 198.51.100.1") {
+                dns_up = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let dnsmasq = t.servers[1].try_wait();
+        assert!(
+            dns_up,
+            "the test's DNS server did not come up (dnsmasq: {dnsmasq:?}); last answer: {last}"
+        );
         for url in [
+            format!("https://{INTERNET}/"),
+            format!("https://{EVIL}/"),
             format!("http://{INTERNET}:8080/"),
             format!("http://{PRIVATE}:8080/"),
             format!("http://{HOST_UPLINK}:8081/"),
@@ -162,7 +248,7 @@ impl Topology {
     fn curl_from_host(&self, url: &str) -> Option<String> {
         for _ in 0..50 {
             let out = Command::new("ip")
-                .args(["netns", "exec", &self.host, "curl", "-s", "-m", "2", url])
+                .args(["netns", "exec", &self.host, "curl", "-sk", "-m", "2", url])
                 .output()
                 .unwrap();
             if out.status.success() {
@@ -215,6 +301,73 @@ async fn fetch(c: &Client, id: &str, url: &str) -> Option<String> {
         .then(|| body.to_string())
 }
 
+/// An HTTP/1.1 GET from inside a sandbox to `ip:port` with `Host: host`: Some(body) when a server
+/// answered 200, None when the connection was refused or reset.
+async fn get_with_host(c: &Client, id: &str, ip: &str, port: u16, host: &str) -> Option<String> {
+    let out = sh(
+        c,
+        id,
+        &format!(
+            "printf 'GET / HTTP/1.1\\r\\nHost: {host}\\r\\nConnection: close\\r\\n\\r\\n' | busybox nc -w 3 {ip} {port}"
+        ),
+    )
+    .await;
+    let (head, body) = out.stdout.split_once("\r\n\r\n")?;
+    head.contains(" 200 ").then(|| body.to_string())
+}
+
+/// A real TLS 1.2 ClientHello for `sni` (from rustls), sent from inside a sandbox to `ip:443`: the
+/// name on the certificate the server answered with (TLS 1.2 sends it in clear), or None when the
+/// connection was refused or reset.
+async fn tls_server_name(c: &Client, id: &str, ip: &str, sni: &str) -> Option<String> {
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS12])
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(sni.to_string()).unwrap();
+    let mut conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut hello = Vec::new();
+    conn.write_tls(&mut hello).unwrap();
+    let path = format!("/tmp/hello-{sni}");
+    c.write_file(id, &path, hello, &Default::default())
+        .await
+        .unwrap();
+    let out = sh(
+        c,
+        id,
+        &format!("busybox nc -w 2 {ip} 443 < {path} | busybox grep -oE '(good|also|evil)\\.example' | busybox head -1"),
+    )
+    .await;
+    let n = out.stdout.trim();
+    (!n.is_empty()).then(|| n.to_string())
+}
+
+/// The sandbox's connection log once it holds an entry `pred` accepts (the log is written a moment
+/// after the connection closes).
+async fn log_until(
+    c: &Client,
+    id: &str,
+    pred: impl Fn(&moat_api::NetworkLogEntry) -> bool,
+) -> Vec<moat_api::NetworkLogEntry> {
+    let q = moat_api::NetworkLogQuery {
+        limit: Some(1000),
+        ..Default::default()
+    };
+    for _ in 0..50 {
+        let log = c.network_log(id, &q).await.unwrap();
+        if log.iter().any(&pred) {
+            return log;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "no such entry in the connection log of {id}: {:#?}",
+        c.network_log(id, &q).await.unwrap()
+    );
+}
+
 async fn create_bb(c: &Client, network: Option<NetworkPolicy>) -> moat_api::Sandbox {
     c.create_sandbox(&CreateSandboxRequest {
         template: Some("bb".into()),
@@ -226,15 +379,18 @@ async fn create_bb(c: &Client, network: Option<NetworkPolicy>) -> moat_api::Sand
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn egress_policy_in_a_test_made_network() {
-    let tmp = tempfile::tempdir().unwrap();
-    let topo = Topology::new(tmp.path());
-    let rootfs = busybox_rootfs(tmp.path());
-    let deny_file = tmp.path().join("deny.txt");
+/// The test topology and a daemon in its "host" namespace with sandbox networking on `subnet`, an
+/// (empty) deny-list file and the busybox template `bb`.
+async fn networked_daemon(
+    dir: &Path,
+    subnet: &str,
+) -> (Topology, Daemon, Client, std::path::PathBuf) {
+    let topo = Topology::new(dir);
+    let rootfs = busybox_rootfs(dir);
+    let deny_file = dir.join("deny.txt");
     std::fs::write(&deny_file, "# known-bad destinations\n").unwrap();
     let d = Daemon::start_in_netns(
-        &tmp.path().join("data"),
+        &dir.join("data"),
         &topo.host,
         &[
             "--deny-list",
@@ -244,13 +400,20 @@ async fn egress_policy_in_a_test_made_network() {
             "--dns",
             INTERNET,
             "--subnet",
-            "10.201.0.0/16",
+            subnet,
             "--pool-size",
             "0",
         ],
     );
     let c = d.client();
     register_bb(&c, &rootfs).await;
+    (topo, d, c, deny_file)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn egress_policy_in_a_test_made_network() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (topo, d, c, deny_file) = networked_daemon(tmp.path(), "10.201.0.0/16").await;
 
     // Default policy: the public internet, nothing else.
     let a = create_bb(&c, None).await;
@@ -426,7 +589,7 @@ async fn egress_policy_in_a_test_made_network() {
         .set_network(
             &a.id,
             &NetworkPolicy {
-                allow_out: vec!["10.0.0.1".into(), "example.com".into()],
+                allow_out: vec!["10.0.0.1".into(), "exa mple.com".into()],
                 ..Default::default()
             },
         )
@@ -494,12 +657,16 @@ async fn egress_policy_in_a_test_made_network() {
         (1..=3).contains(&ok),
         "{ok} of 6 quick connections at 1/s got through"
     );
+    // A closed port: the proxy has accepted the sandbox's connection before it connects upstream, so
+    // the sandbox sees it reset (no answer), and the log says why.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let out = sh(&c, &a.id, "printf x | busybox nc -w 1 198.51.100.1 9").await;
+    assert_eq!(out.stdout, "", "{out:?}");
+    let log = log_until(&c, &a.id, |e| e.dst_port == Some(9)).await;
+    let e = log.iter().find(|e| e.dst_port == Some(9)).unwrap();
     assert!(
-        sh(&c, &a.id, "busybox nc -w 1 198.51.100.1 9 </dev/null")
-            .await
-            .exit
-            .exit_code
-            != Some(0)
+        e.error.as_deref().unwrap_or("").contains("refused"),
+        "{e:?}"
     );
 
     // Deleting the sandboxes removes their host interfaces.
@@ -543,4 +710,320 @@ async fn network_flags_refused_without_networking() {
     let out = sh(&c, &s.id, "ls /sys/class/net").await;
     assert_eq!(out.stdout.trim(), "lo", "{out:?}");
     c.delete_sandbox(&s.id).await.unwrap();
+}
+
+/// Domain rules, checked on TLS SNI, HTTP Host and DNS by the daemon's proxy and resolver, the
+/// connection log, audit mode and allow-list proposals — all in the test's own namespaces.
+#[tokio::test(flavor = "multi_thread")]
+async fn domain_rules_and_connection_log_in_a_test_made_network() {
+    use moat_api::{NetDecision, NetworkLogQuery, NetworkMode};
+    let tmp = tempfile::tempdir().unwrap();
+    let (_topo, d, c, deny_file) = networked_daemon(tmp.path(), "10.202.0.0/16").await;
+
+    // Internet off, one domain allowed.
+    let s = create_bb(
+        &c,
+        Some(NetworkPolicy {
+            allow_internet: false,
+            allow_out: vec!["good.example".into()],
+            ..Default::default()
+        }),
+    )
+    .await;
+    let id = &s.id;
+    // DNS: the allowed name resolves, any other is refused by the daemon's resolver.
+    let ok = sh(&c, id, "busybox nslookup good.example").await;
+    assert!(ok.stdout.contains(INTERNET), "{ok:?}");
+    let refused = sh(&c, id, "busybox nslookup evil.example").await;
+    assert!(!refused.stdout.contains(EVIL), "{refused:?}");
+    // TLS: the allowed name reaches its server; the other name is reset.
+    assert_eq!(
+        tls_server_name(&c, id, INTERNET, "good.example")
+            .await
+            .as_deref(),
+        Some("good.example")
+    );
+    assert_eq!(tls_server_name(&c, id, EVIL, "evil.example").await, None);
+    // A forged SNI: the allowed name sent to the denied server's address. The proxy connects to the
+    // name itself, so the sandbox gets good.example's server, never evil's.
+    assert_eq!(
+        tls_server_name(&c, id, EVIL, "good.example")
+            .await
+            .as_deref(),
+        Some("good.example")
+    );
+    // HTTP Host works the same way; direct-IP access to the allowed name's address, without a name,
+    // is governed by the CIDR rules only (here: refused).
+    assert_eq!(
+        get_with_host(&c, id, INTERNET, 8080, "good.example")
+            .await
+            .as_deref(),
+        Some("hello")
+    );
+    assert_eq!(
+        get_with_host(&c, id, INTERNET, 8080, "evil.example").await,
+        None
+    );
+    assert_eq!(
+        fetch(&c, id, &format!("http://{INTERNET}:8080/")).await,
+        None
+    );
+    // A name allowed by the policy that resolves to a private address is not followed (DNS
+    // rebinding), unless the private range is allowed too.
+    c.set_network(
+        id,
+        &NetworkPolicy {
+            allow_internet: false,
+            allow_out: vec!["good.example".into(), "inside.example".into()],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        get_with_host(&c, id, INTERNET, 8080, "inside.example").await,
+        None
+    );
+
+    // The log has each case, with the rule that decided.
+    let log = log_until(&c, id, |e| {
+        e.name.as_deref() == Some("inside.example") && e.protocol == "tcp"
+    })
+    .await;
+    let find = |proto: &str, name: &str, dst: Option<&str>| {
+        log.iter()
+            .find(|e| {
+                e.protocol == proto
+                    && e.name.as_deref() == Some(name)
+                    && (dst.is_none() || e.dst_ip.as_deref() == dst)
+            })
+            .unwrap_or_else(|| panic!("no {proto} {name} {dst:?} in {log:#?}"))
+            .clone()
+    };
+    let e = find("dns", "good.example", None);
+    assert_eq!(
+        (e.decision, e.rule.as_str()),
+        (NetDecision::Allow, "allow_out[0]")
+    );
+    let e = find("dns", "evil.example", None);
+    assert_eq!(
+        (e.decision, e.rule.as_str()),
+        (NetDecision::Deny, "allow_internet: false")
+    );
+    let e = find("tcp", "good.example", Some(INTERNET));
+    assert_eq!(e.decision, NetDecision::Allow);
+    assert_eq!(e.name_source.as_deref(), Some("sni"));
+    assert!(e.bytes_in > 500 && e.bytes_out > 100, "{e:?}");
+    let forged = find("tcp", "good.example", Some(EVIL));
+    assert_eq!(forged.dialed.as_deref(), Some(&*format!("{INTERNET}:443")));
+    let e = find("tcp", "evil.example", Some(EVIL));
+    assert_eq!(
+        (e.decision, e.rule.as_str()),
+        (NetDecision::Deny, "allow_internet: false")
+    );
+    let e = log
+        .iter()
+        .find(|e| e.protocol == "tcp" && e.name.is_none() && e.dst_port == Some(8080))
+        .expect("the direct-IP attempt");
+    assert_eq!(e.decision, NetDecision::Deny);
+    let e = find("tcp", "inside.example", None);
+    assert_eq!(e.decision, NetDecision::Allow);
+    assert!(
+        e.error.as_deref().unwrap_or("").contains("private range"),
+        "{e:?}"
+    );
+    // Refusals are in the audit log too.
+    let audit = c
+        .sandbox_audit(
+            id,
+            &moat_api::AuditQuery {
+                action: Some("network.deny".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        audit.iter().any(|a| a.detail["name"] == "evil.example"),
+        "{audit:#?}"
+    );
+    // Filters.
+    let denied = c
+        .network_log(
+            id,
+            &NetworkLogQuery {
+                decision: Some(NetDecision::Deny),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!denied.is_empty() && denied.iter().all(|e| e.decision == NetDecision::Deny));
+
+    // Internet on, one name denied (with a wildcard): the rest works, the denied name does not, by
+    // DNS or SNI.
+    c.set_network(
+        id,
+        &NetworkPolicy {
+            deny_out: vec!["*.example".into()],
+            allow_out: vec!["also.example".into()],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(tls_server_name(&c, id, EVIL, "evil.example").await, None);
+    assert_eq!(
+        tls_server_name(&c, id, INTERNET, "also.example")
+            .await
+            .as_deref(),
+        Some("also.example")
+    );
+    assert!(!sh(&c, id, "busybox nslookup evil.example")
+        .await
+        .stdout
+        .contains(EVIL));
+
+    // The daemon-wide deny list takes names too, and beats a sandbox's allow.
+    c.set_network(
+        id,
+        &NetworkPolicy {
+            allow_out: vec!["evil.example".into()],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        tls_server_name(&c, id, EVIL, "evil.example")
+            .await
+            .as_deref(),
+        Some("evil.example")
+    );
+    std::fs::write(&deny_file, "evil.example\n").unwrap();
+    let mut blocked = false;
+    for _ in 0..20 {
+        if tls_server_name(&c, id, EVIL, "evil.example")
+            .await
+            .is_none()
+        {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(blocked, "a name added to the deny list stayed reachable");
+    log_until(&c, id, |e| {
+        e.rule == "deny list" && e.name.as_deref() == Some("evil.example")
+    })
+    .await;
+    std::fs::write(&deny_file, "").unwrap();
+
+    // Audit mode: nothing is refused (but what is always blocked), what would be is logged as audit,
+    // and the proposal is the tightest policy allowing what the sandbox did.
+    let a = create_bb(
+        &c,
+        Some(NetworkPolicy {
+            allow_internet: false,
+            mode: NetworkMode::Audit,
+            ..Default::default()
+        }),
+    )
+    .await;
+    // Follow the log live while the sandbox works.
+    let mut live = c
+        .follow_network_log(&a.id, &NetworkLogQuery::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        get_with_host(&c, &a.id, INTERNET, 8080, "good.example")
+            .await
+            .as_deref(),
+        Some("hello")
+    );
+    assert_eq!(
+        fetch(&c, &a.id, &format!("http://{INTERNET}:8080/"))
+            .await
+            .as_deref(),
+        Some("hello")
+    );
+    assert_eq!(
+        fetch(&c, &a.id, &format!("http://{METADATA}:8080/")).await,
+        None
+    );
+    let first = tokio::time::timeout(Duration::from_secs(10), futures::StreamExt::next(&mut live))
+        .await
+        .expect("a live entry")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.sandbox_id, a.id);
+    assert_eq!(
+        (first.decision, first.rule.as_str()),
+        (NetDecision::Audit, "allow_internet: false")
+    );
+    drop(live);
+    let log = log_until(&c, &a.id, |e| {
+        e.dst_ip.as_deref() == Some(INTERNET) && e.name.is_none()
+    })
+    .await;
+    assert!(
+        log.iter().all(|e| e.decision != NetDecision::Allow),
+        "{log:#?}"
+    );
+    let p = c.network_proposal(&a.id).await.unwrap();
+    assert!(!p.policy.allow_internet);
+    assert_eq!(p.policy.allow_out, [INTERNET, "good.example"], "{p:#?}");
+    // The template's proposal covers every sandbox started from it.
+    let t = c.template_network_proposal("bb").await.unwrap();
+    for want in ["good.example", "also.example", "evil.example", INTERNET] {
+        assert!(
+            t.policy.allow_out.iter().any(|e| e == want),
+            "{want}: {t:#?}"
+        );
+    }
+    // The proposal applied: what the sandbox did works, nothing else does.
+    c.set_network(&a.id, &p.policy).await.unwrap();
+    assert_eq!(
+        get_with_host(&c, &a.id, INTERNET, 8080, "good.example")
+            .await
+            .as_deref(),
+        Some("hello")
+    );
+    assert_eq!(tls_server_name(&c, &a.id, EVIL, "evil.example").await, None);
+
+    // Bad entries name themselves.
+    for (bad, field) in [
+        ("@nope", "network.allow_out[0]"),
+        ("exa mple.com", "network.allow_out[0]"),
+    ] {
+        match c
+            .set_network(
+                &a.id,
+                &NetworkPolicy {
+                    allow_out: vec![bad.into()],
+                    ..Default::default()
+                },
+            )
+            .await
+        {
+            Err(moat_client::Error::Api { status, body }) => {
+                assert_eq!(
+                    (status, body.error.field.as_deref()),
+                    (400, Some(field)),
+                    "{bad}"
+                );
+            }
+            other => panic!("expected a 400 for {bad}, got {other:?}"),
+        }
+    }
+    for s in [&s.id, &a.id] {
+        c.delete_sandbox(s).await.unwrap();
+    }
+    // The log outlives the sandbox.
+    assert!(!c
+        .network_log(&a.id, &NetworkLogQuery::default())
+        .await
+        .unwrap()
+        .is_empty());
+    d.stop();
 }

@@ -8,6 +8,7 @@ pub mod density;
 pub mod exec;
 pub mod files;
 pub mod hardening;
+pub mod network;
 pub mod saturation;
 pub mod snapshots;
 
@@ -155,7 +156,7 @@ impl Peer {
 }
 
 /// The scenarios' names for `--only`, in the order they run.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "cold",
     "burst",
     "exec",
@@ -164,6 +165,7 @@ pub const NAMES: [&str; 8] = [
     "files",
     "saturation",
     "hardening",
+    "network",
 ];
 
 /// Everything a scenario needs.
@@ -182,6 +184,10 @@ pub struct Ctx<'a> {
     pub tools: Tools,
     pub iso: Isolation,
     pub quick: bool,
+    /// What the network scenario starts its own daemon with.
+    pub moat_bin: PathBuf,
+    pub agent: PathBuf,
+    pub data_dir: PathBuf,
 }
 
 impl Ctx<'_> {
@@ -246,6 +252,7 @@ pub async fn run_all(ctx: &Ctx<'_>, only: &[String]) -> Vec<Section> {
     scenario!(files);
     scenario!(saturation);
     scenario!(hardening);
+    scenario!(network);
     out
 }
 

@@ -78,6 +78,29 @@ pub enum Command {
         #[command(flatten)]
         net: NetArgs,
     },
+    /// A sandbox's connection log: every TCP connection and DNS question, with the decision and the
+    /// rule that made it.
+    NetworkLog {
+        id: String,
+        /// Keep printing entries as they are logged, until the sandbox is gone.
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only `allow`, `deny` or `audit` (would have been refused) entries.
+        #[arg(long)]
+        decision: Option<String>,
+        /// At most this many entries (before --follow's live ones).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Propose the tightest egress policy allowing what a sandbox (or a template's sandboxes) did;
+    /// run it with `--audit` first to see what a policy would refuse.
+    NetworkProposal {
+        /// Sandbox id (or --template).
+        #[arg(required_unless_present = "template", conflicts_with = "template")]
+        id: Option<String>,
+        #[arg(long)]
+        template: Option<String>,
+    },
     /// Host-level information.
     #[command(subcommand)]
     System(SystemCommand),
@@ -191,12 +214,16 @@ pub struct NetArgs {
     /// Public internet allowed (the default).
     #[arg(long)]
     pub allow_internet: bool,
-    /// IPv4 address or CIDR allowed even without internet or when private (repeatable).
-    #[arg(long, value_name = "CIDR")]
+    /// Allowed even without internet or when private (repeatable): an IPv4 address or CIDR, a
+    /// domain, `*.domain` or a group (`@pypi`, `@npm`, `@debian`, `@github`, ...).
+    #[arg(long, value_name = "DEST")]
     pub allow_out: Vec<String>,
-    /// IPv4 address or CIDR refused (repeatable; allow beats deny).
-    #[arg(long, value_name = "CIDR")]
+    /// Refused (repeatable; the same kinds as --allow-out; allow beats deny).
+    #[arg(long, value_name = "DEST")]
     pub deny_out: Vec<String>,
+    /// Audit mode: let through what the policy would refuse, and log it as `audit`.
+    #[arg(long)]
+    pub audit: bool,
 }
 
 impl NetArgs {
@@ -206,6 +233,7 @@ impl NetArgs {
             && !self.allow_internet
             && self.allow_out.is_empty()
             && self.deny_out.is_empty()
+            && !self.audit
         {
             return None;
         }
@@ -213,6 +241,11 @@ impl NetArgs {
             allow_internet: !self.no_internet,
             allow_out: self.allow_out.clone(),
             deny_out: self.deny_out.clone(),
+            mode: if self.audit {
+                moat_api::NetworkMode::Audit
+            } else {
+                moat_api::NetworkMode::Enforce
+            },
             ..Default::default()
         })
     }

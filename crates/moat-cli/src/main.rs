@@ -99,6 +99,15 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Fork(args) => snapshot::fork(&client, &args, json).await,
         Command::System(cli::SystemCommand::Df) => snapshot::df(&client, json).await,
         Command::Network { id, net } => sandbox::network(&client, &id, &net, json).await,
+        Command::NetworkLog {
+            id,
+            follow,
+            decision,
+            limit,
+        } => sandbox::network_log(&client, &id, follow, decision, limit, json).await,
+        Command::NetworkProposal { id, template } => {
+            sandbox::network_proposal(&client, id, template, json).await
+        }
         Command::Ps { id } => exec::ps(&client, &id, json).await,
         Command::Stats { id } => sandbox::stats(&client, id.as_deref(), json).await,
         Command::Kill {

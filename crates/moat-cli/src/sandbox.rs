@@ -226,6 +226,108 @@ pub async fn network(
         for d in &p.deny_out {
             println!("deny {d}");
         }
+        if p.mode == moat_api::NetworkMode::Audit {
+            println!("mode audit (refuses nothing; logs what it would refuse)");
+        }
+    }
+    Ok(0)
+}
+
+fn print_log_entry(e: &moat_api::NetworkLogEntry, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(e)?);
+        return Ok(());
+    }
+    let dst = match (&e.dst_ip, e.dst_port) {
+        (Some(ip), Some(p)) => format!("{ip}:{p}"),
+        _ => "-".into(),
+    };
+    let name = match (&e.name, &e.name_source) {
+        (Some(n), Some(s)) => format!("{n} ({s})"),
+        (Some(n), None) => n.clone(),
+        _ => "-".into(),
+    };
+    println!(
+        "{} {:<3} {:<5} {:<21} {:<40} {:<22} out {} in {} {}ms{}",
+        e.at,
+        e.protocol,
+        e.decision.as_str(),
+        dst,
+        name,
+        e.rule,
+        e.bytes_out,
+        e.bytes_in,
+        e.duration_ms,
+        e.error
+            .as_ref()
+            .map(|x| format!(" error: {x}"))
+            .unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// `moat network-log ID [--follow] [--decision D]`
+pub async fn network_log(
+    client: &Client,
+    id: &str,
+    follow: bool,
+    decision: Option<String>,
+    limit: u32,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let decision = decision
+        .map(|d| {
+            serde_json::from_value::<moat_api::NetDecision>(serde_json::Value::String(d.clone()))
+                .map_err(|_| anyhow::anyhow!("--decision must be allow, deny or audit, got {d:?}"))
+        })
+        .transpose()?;
+    let q = moat_api::NetworkLogQuery {
+        decision,
+        limit: Some(limit),
+        ..Default::default()
+    };
+    if !follow {
+        for e in client.network_log(id, &q).await? {
+            print_log_entry(&e, json)?;
+        }
+        return Ok(0);
+    }
+    let mut events = client.follow_network_log(id, &q).await?;
+    while let Some(e) = futures::StreamExt::next(&mut events).await {
+        print_log_entry(&e?, json)?;
+    }
+    Ok(0)
+}
+
+/// `moat network-proposal ID | --template NAME`
+pub async fn network_proposal(
+    client: &Client,
+    id: Option<String>,
+    template: Option<String>,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let p = match (id, template) {
+        (Some(id), _) => client.network_proposal(&id).await?,
+        (None, Some(t)) => client.template_network_proposal(&t).await?,
+        (None, None) => anyhow::bail!("give a sandbox id or --template"),
+    };
+    if json {
+        print_json(&p)?;
+        return Ok(0);
+    }
+    println!("# from {} log entries", p.entries);
+    for o in &p.observed {
+        println!(
+            "--allow-out {:<32} # {} x: {}",
+            o.entry,
+            o.count,
+            o.covers.join(", ")
+        );
+    }
+    if p.observed.is_empty() {
+        println!("# nothing observed: --no-internet allows all of it");
+    } else {
+        println!("# with --no-internet");
     }
     Ok(0)
 }

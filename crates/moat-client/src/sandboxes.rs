@@ -84,6 +84,61 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/sandboxes/{id}/network/log`: connection log entries, oldest first (`follow` is
+    /// ignored here; see [`Client::follow_network_log`]).
+    pub async fn network_log(
+        &self,
+        id: &str,
+        q: &moat_api::NetworkLogQuery,
+    ) -> Result<Vec<moat_api::NetworkLogEntry>> {
+        let q = moat_api::NetworkLogQuery {
+            follow: None,
+            ..q.clone()
+        };
+        let log: moat_api::NetworkLog = self
+            .send_json(
+                self.request(Method::GET, &["v1", "sandboxes", id, "network", "log"])
+                    .query(&q),
+            )
+            .await?;
+        Ok(log.entries)
+    }
+
+    /// `GET /v1/sandboxes/{id}/network/log?follow=true`: the stored entries, then new ones as they
+    /// are logged, until the sandbox is gone.
+    pub async fn follow_network_log(
+        &self,
+        id: &str,
+        q: &moat_api::NetworkLogQuery,
+    ) -> Result<crate::EventStream<moat_api::NetworkLogEntry>> {
+        let q = moat_api::NetworkLogQuery {
+            follow: Some(true),
+            ..q.clone()
+        };
+        let resp = self
+            .send(
+                self.request(Method::GET, &["v1", "sandboxes", id, "network", "log"])
+                    .query(&q),
+            )
+            .await?;
+        Ok(crate::ndjson_response(resp))
+    }
+
+    /// `GET /v1/sandboxes/{id}/network/proposal`
+    pub async fn network_proposal(&self, id: &str) -> Result<moat_api::NetworkProposal> {
+        self.send_json(self.request(Method::GET, &["v1", "sandboxes", id, "network", "proposal"]))
+            .await
+    }
+
+    /// `GET /v1/templates/{name}/network/proposal`
+    pub async fn template_network_proposal(&self, name: &str) -> Result<moat_api::NetworkProposal> {
+        self.send_json(self.request(
+            Method::GET,
+            &["v1", "templates", name, "network", "proposal"],
+        ))
+        .await
+    }
+
     /// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout_secs` from now.
     pub async fn set_timeout(&self, id: &str, timeout_secs: u64) -> Result<Sandbox> {
         self.send_json(

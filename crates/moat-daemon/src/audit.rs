@@ -121,37 +121,12 @@ impl Audit {
 
     /// Deletes entries older than `days` days and the oldest beyond `max_entries` (0: no such bound).
     pub fn prune(&self, days: u64, max_entries: u64) -> Result<usize> {
-        let age = i64::try_from(days).unwrap_or(i64::MAX);
-        let cutoff = now_ms().saturating_sub(age.saturating_mul(86_400_000));
-        let max = i64::try_from(max_entries).unwrap_or(i64::MAX);
-        self.db.with_conn(|c| {
-            let mut n = 0;
-            if days > 0 {
-                n += c.execute("DELETE FROM audit WHERE at_ms < ?1", params![cutoff])?;
-            }
-            if max_entries > 0 {
-                n += c.execute(
-                    "DELETE FROM audit WHERE id <= (SELECT id FROM audit ORDER BY id DESC LIMIT 1 OFFSET ?1)",
-                    params![max],
-                )?;
-            }
-            Ok(n)
-        })
+        prune_table(&self.db, "audit", days, max_entries)
     }
 
     /// Prunes now and every hour.
     pub async fn retention_loop(self: Arc<Self>, days: u64, max_entries: u64) {
-        let mut tick = tokio::time::interval(Duration::from_secs(3600));
-        loop {
-            tick.tick().await;
-            let me = self.clone();
-            match tokio::task::spawn_blocking(move || me.prune(days, max_entries)).await {
-                Ok(Ok(n)) if n > 0 => tracing::info!("audit: pruned {n} entries"),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => tracing::error!("audit prune: {e:#}"),
-                Err(e) => tracing::error!("audit prune: {e}"),
-            }
-        }
+        retention_loop("audit", move || self.prune(days, max_entries)).await
     }
 
     /// Polls watched sandboxes every [`POLL_EVERY`]. At start it watches every running sandbox, so
@@ -393,6 +368,44 @@ impl Audit {
         .await
         .map_err(ApiError::internal)?;
         rows.map_err(|e| ApiError::internal(format!("audit query: {e:#}")))
+    }
+}
+
+/// Deletes the rows of a log table (`audit`, `netlog`: columns `id`, `at_ms`) older than `days` days
+/// and the oldest beyond `max_entries` (0: no such bound).
+pub fn prune_table(db: &Db, table: &'static str, days: u64, max_entries: u64) -> Result<usize> {
+    let age = i64::try_from(days).unwrap_or(i64::MAX);
+    let cutoff = now_ms().saturating_sub(age.saturating_mul(86_400_000));
+    let max = i64::try_from(max_entries).unwrap_or(i64::MAX);
+    db.with_conn(|c| {
+        let mut n = 0;
+        if days > 0 {
+            n += c.execute(&format!("DELETE FROM {table} WHERE at_ms < ?1"), params![cutoff])?;
+        }
+        if max_entries > 0 {
+            n += c.execute(
+                &format!("DELETE FROM {table} WHERE id <= (SELECT id FROM {table} ORDER BY id DESC LIMIT 1 OFFSET ?1)"),
+                params![max],
+            )?;
+        }
+        Ok(n)
+    })
+}
+
+/// Runs `prune` now and every hour (on a blocking thread), logging what it removed.
+pub async fn retention_loop(
+    what: &'static str,
+    prune: impl Fn() -> Result<usize> + Send + Sync + Clone + 'static,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        tick.tick().await;
+        match tokio::task::spawn_blocking(prune.clone()).await {
+            Ok(Ok(n)) if n > 0 => tracing::info!("{what}: pruned {n} entries"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::error!("{what} prune: {e:#}"),
+            Err(e) => tracing::error!("{what} prune: {e}"),
+        }
     }
 }
 

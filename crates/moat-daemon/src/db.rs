@@ -77,6 +77,28 @@ const MIGRATIONS: &[&str] = &[
     // 7: exposed ports: the per-sandbox access token and whether ports are public.
     "ALTER TABLE sandboxes ADD COLUMN access_token TEXT NOT NULL DEFAULT '';
     ALTER TABLE sandboxes ADD COLUMN public_traffic INTEGER NOT NULL DEFAULT 0;",
+    // 8: the connection log (see netlog.rs); like the audit log it outlives sandboxes.
+    "CREATE TABLE netlog (
+        id INTEGER PRIMARY KEY,
+        at_ms INTEGER NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        template TEXT NOT NULL,
+        protocol TEXT NOT NULL,
+        dst_ip TEXT,
+        dst_port INTEGER,
+        name TEXT,
+        name_source TEXT,
+        decision TEXT NOT NULL,
+        rule TEXT NOT NULL,
+        dialed TEXT,
+        bytes_out INTEGER NOT NULL,
+        bytes_in INTEGER NOT NULL,
+        duration_ms INTEGER NOT NULL,
+        error TEXT
+    );
+    CREATE INDEX netlog_sandbox ON netlog (sandbox_id, id);
+    CREATE INDEX netlog_template ON netlog (template, id);
+    CREATE INDEX netlog_at ON netlog (at_ms);",
 ];
 
 /// A sandbox row.
@@ -525,6 +547,28 @@ impl Db {
     pub fn delete_template(&self, name: &str) -> Result<()> {
         self.with(|c| c.execute("DELETE FROM templates WHERE name = ?1", [name]))?;
         Ok(())
+    }
+
+    /// The sandbox holding a network slot: (id, template, egress policy).
+    pub fn network_by_slot(
+        &self,
+        slot: u32,
+    ) -> Result<Option<(String, String, Option<moat_api::NetworkPolicy>)>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT id, template, network FROM sandboxes WHERE slot = ?1",
+                [slot],
+                |r| {
+                    let net: Option<String> = r.get(2)?;
+                    Ok((
+                        r.get(0)?,
+                        r.get(1)?,
+                        net.and_then(|n| serde_json::from_str(&n).ok()),
+                    ))
+                },
+            )
+            .optional()
+        })
     }
 
     /// Records a sandbox's new egress policy.

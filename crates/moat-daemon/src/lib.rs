@@ -14,6 +14,7 @@ pub mod error;
 pub mod extract;
 pub mod host;
 pub mod layers;
+pub mod netlog;
 pub mod sandboxes;
 pub mod template;
 pub mod tier;
@@ -49,10 +50,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
-    let network = network_for(&args)?;
-    if let Some(net) = network.as_ref().filter(|n| !n.deny_files().is_empty()) {
-        tokio::spawn(watch_deny_list(net.clone()));
+    let audit = audit::Audit::start(db.clone());
+    let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone());
+    let network = network_for(&args, db.clone(), events).await?;
+    if let Some((net, egress)) = network.as_ref().filter(|n| !n.0.deny_files().is_empty()) {
+        tokio::spawn(watch_deny_list(net.clone(), egress.clone()));
     }
+    let network = network.map(|n| n.0);
     let container = tier::container::ContainerTier::new(
         args.data_dir.join("sandboxes"),
         agent,
@@ -77,7 +81,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         tiers,
     ));
     sandboxes.recover().await.context("recover sandboxes")?;
-    let audit = audit::Audit::start(db);
+    tokio::spawn(
+        netlog
+            .clone()
+            .retention_loop(args.audit_retention_days, args.audit_max_entries),
+    );
     tokio::spawn(
         audit
             .clone()
@@ -91,6 +99,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         sandboxes: sandboxes.clone(),
         api_key,
         audit: audit.clone(),
+        netlog,
     });
     let app = api::router(state.clone()).merge(api::mcp::routes(state, args.listen)?);
     let tcp = tokio::net::TcpListener::bind(args.listen)
@@ -283,8 +292,48 @@ pub fn maybe_sandbox_init() -> Option<i32> {
     Some(tier::container::init::main(&config))
 }
 
-/// Sandbox networking as configured (`--network`, `--subnet`, `--uplink`, `--dns`).
-fn network_for(args: &config::ServeArgs) -> Result<Option<host::net::Network>> {
+/// Where the egress proxy and resolver find a slot's sandbox and policy: the database.
+struct DbSlots(Arc<db::Db>);
+
+impl host::egress::PolicySource for DbSlots {
+    fn by_slot(&self, slot: u32) -> Option<host::egress::SlotPolicy> {
+        match self.0.network_by_slot(slot) {
+            Ok(Some((sandbox_id, template, Some(policy)))) => Some(host::egress::SlotPolicy {
+                sandbox_id,
+                template,
+                policy,
+            }),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::error!("egress: slot {slot}: {e:#}");
+                None
+            }
+        }
+    }
+}
+
+/// Binds a UDP socket and a TCP listener on one free port of all addresses (the resolver's); nftables
+/// lets only sandboxes reach it.
+async fn bind_dns() -> Result<(tokio::net::UdpSocket, tokio::net::TcpListener)> {
+    for _ in 0..20 {
+        let udp = tokio::net::UdpSocket::bind("0.0.0.0:0").await?;
+        let port = udp.local_addr()?.port();
+        if let Ok(tcp) = tokio::net::TcpListener::bind(("0.0.0.0", port)).await {
+            return Ok((udp, tcp));
+        }
+    }
+    bail!("no free port for the sandbox resolver (UDP and TCP)")
+}
+
+type NetworkAndEgress = (host::net::Network, Arc<host::egress::Egress>);
+
+/// Sandbox networking as configured (`--network`, `--subnet`, `--uplink`, `--dns`), with the egress
+/// resolver and proxy started.
+async fn network_for(
+    args: &config::ServeArgs,
+    db: Arc<db::Db>,
+    events: tokio::sync::mpsc::Sender<host::egress::Event>,
+) -> Result<Option<NetworkAndEgress>> {
     if args.network == "none" {
         tracing::info!("sandbox networking off (--network none): sandboxes have loopback only");
         return Ok(None);
@@ -314,14 +363,30 @@ fn network_for(args: &config::ServeArgs) -> Result<Option<host::net::Network>> {
         tier::container::MAX_SLOTS,
     )?
     .with_deny_files(args.deny_list.clone())?;
-    tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, "sandbox networking: NAT");
-    Ok(Some(net))
+    let (dns_udp, dns_tcp) = bind_dns().await?;
+    let proxy = tokio::net::TcpListener::bind("0.0.0.0:0").await?;
+    let (dns_port, proxy_port) = (dns_udp.local_addr()?.port(), proxy.local_addr()?.port());
+    let net = net.with_ports(dns_port, proxy_port);
+    let egress = host::egress::Egress::new(
+        net.subnet(),
+        std::net::SocketAddr::new(dns.into(), 53),
+        Arc::new(DbSlots(db)),
+        host::egress::DenyList {
+            entries: net.deny_list()?,
+        },
+        events,
+    );
+    tokio::spawn(host::egress::dns::serve_udp(dns_udp, egress.clone()));
+    tokio::spawn(host::egress::dns::serve_tcp(dns_tcp, egress.clone()));
+    tokio::spawn(host::egress::proxy::serve(proxy, egress.clone()));
+    tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, dns_port, proxy_port, "sandbox networking: NAT, DNS and TCP through the daemon");
+    Ok(Some((net, egress)))
 }
 
 /// Reloads the daemon-wide deny list when one of its files changes (size or modification time,
 /// checked every 2 s: a threat feed can be large, so it is read only when it changed) or on SIGHUP.
 /// A file that no longer parses is logged and the list in force stays as it was.
-async fn watch_deny_list(net: host::net::Network) {
+async fn watch_deny_list(net: host::net::Network, egress: Arc<host::egress::Egress>) {
     type Stamp = Option<(u64, Option<std::time::SystemTime>)>;
     let read = |net: &host::net::Network| -> Vec<Stamp> {
         net.deny_files()
@@ -353,7 +418,10 @@ async fn watch_deny_list(net: host::net::Network) {
         seen = now;
         let n = net.clone();
         match tokio::task::spawn_blocking(move || n.reload_deny_list()).await {
-            Ok(Ok(count)) => tracing::info!(entries = count, "deny list reloaded"),
+            Ok(Ok(entries)) => {
+                tracing::info!(entries = entries.len(), "deny list reloaded");
+                egress.set_deny_list(host::egress::DenyList { entries });
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %format!("{e:#}"), "deny list not reloaded; the previous one stays in force")
             }

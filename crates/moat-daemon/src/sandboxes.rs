@@ -158,7 +158,7 @@ fn validate_policy(p: &moat_api::NetworkPolicy) -> ApiResult<()> {
             ));
         }
         for (i, e) in entries.iter().enumerate() {
-            moat_api::parse_cidr(e)
+            moat_api::parse_destination(e)
                 .map_err(|m| ApiError::invalid(&format!("network.{list}[{i}]"), m))?;
         }
     }
@@ -724,7 +724,9 @@ impl Sandboxes {
         self.db
             .set_tier_state(&id, SandboxState::Starting, &state)?;
         let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
+        let t = std::time::Instant::now();
         agent.wait_ready(Duration::from_secs(20)).await?;
+        tracing::debug!(sandbox = %id, took = ?t.elapsed(), "agent ready");
         agent.configure(&config).await?;
         self.db.set_tier_state(&id, SandboxState::Running, &state)?;
         Ok((agent, state))

@@ -3,6 +3,7 @@
 mod audit;
 mod code;
 pub mod mcp;
+mod network;
 mod ports;
 mod proxy;
 mod sandboxes;
@@ -27,6 +28,7 @@ pub struct AppState {
     pub sandboxes: Arc<Sandboxes>,
     pub api_key: String,
     pub audit: Arc<crate::audit::Audit>,
+    pub netlog: Arc<crate::netlog::NetLog>,
 }
 
 /// Set on a response by a handler whose path has no sandbox id but that concerns one (create), so the
@@ -51,6 +53,7 @@ pub type St = State<Arc<AppState>>;
         templates::list, templates::get, templates::register, templates::build, templates::pull, templates::delete,
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
         audit::list, audit::for_sandbox,
+        network::log, network::proposal, network::template_proposal,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete, snapshots::fork,
         snapshots::reset, snapshots::pause, snapshots::resume, snapshots::disk_usage,
     ),
@@ -63,6 +66,7 @@ pub type St = State<Arc<AppState>>;
         (name = "templates", description = "Root filesystems sandboxes start from"),
         (name = "code", description = "Stateful code execution with rich results (code interpreter)"),
         (name = "audit", description = "The audit log of API actions and commands"),
+        (name = "network", description = "The connection log and allow-list proposals"),
         (name = "snapshots", description = "Snapshots, forks and reset"),
     )
 )]
@@ -102,6 +106,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(
             "/v1/sandboxes/{id}/network",
             get(sandboxes::get_network).put(sandboxes::set_network),
+        )
+        .route("/v1/sandboxes/{id}/network/log", get(network::log))
+        .route(
+            "/v1/sandboxes/{id}/network/proposal",
+            get(network::proposal),
+        )
+        .route(
+            "/v1/templates/{name}/network/proposal",
+            get(network::template_proposal),
         )
         .route(
             "/v1/sandboxes/{id}/processes",

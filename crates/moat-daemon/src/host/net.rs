@@ -15,14 +15,14 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
-use moat_api::{parse_cidr, NetworkPolicy};
+use moat_api::{parse_cidr, parse_destination, Destination, NetworkMode, NetworkPolicy};
 
 /// Destinations no sandbox ever reaches: "this" network, loopback, link-local (cloud metadata at
 /// 169.254.169.254), multicast and reserved, broadcast.
-const NEVER: &[&str] = &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
+pub const NEVER: &[&str] = &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
 /// Private ranges, refused unless a sandbox's `allow_out` names them: RFC 1918, CGNAT (RFC 6598),
 /// benchmarking (RFC 2544), IETF protocol assignments.
-const PRIVATE: &[&str] = &[
+pub const PRIVATE: &[&str] = &[
     "10.0.0.0/8",
     "100.64.0.0/10",
     "172.16.0.0/12",
@@ -41,15 +41,22 @@ pub struct Network {
     /// Masquerade only out of this interface; None: out of any interface that is not a sandbox's.
     uplink: Option<String>,
     dns: Ipv4Addr,
+    /// Ports of the daemon's resolver (UDP and TCP) and transparent TCP proxy (host/egress), which
+    /// every DNS packet and TCP connection of a sandbox is redirected to.
+    dns_port: u16,
+    proxy_port: u16,
+    /// Slots whose interface has a chain of its own in `by_if`; the others (the default policy) use
+    /// the shared `sbx_default` chain, so a sandbox with the default policy costs no nft transaction.
+    custom: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u32>>>,
     /// Daemon-wide deny lists (`--deny-list`): files of IPv4 addresses and CIDRs no sandbox reaches,
     /// whatever its own policy allows; re-read on change.
     deny_files: Vec<PathBuf>,
 }
 
-/// Parses a deny-list file: one IPv4 address or CIDR per line, `#` starts a comment, blank lines
-/// are skipped. IPv6 entries are skipped (sandboxes have no IPv6 route at all); anything else that
-/// is not an address is an error naming the file and line.
-pub fn parse_deny_list(text: &str, file: &str) -> Result<Vec<String>> {
+/// Parses a deny-list file: one IPv4 address, CIDR, domain or `*.domain` per line, `#` starts a
+/// comment, blank lines are skipped. IPv6 entries are skipped (sandboxes have no IPv6 route at all);
+/// anything else is an error naming the file and line.
+pub fn parse_deny_list(text: &str, file: &str) -> Result<Vec<Destination>> {
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let entry = line.split('#').next().unwrap_or("").trim();
@@ -60,8 +67,10 @@ pub fn parse_deny_list(text: &str, file: &str) -> Result<Vec<String>> {
         if addr.parse::<std::net::Ipv6Addr>().is_ok() {
             continue;
         }
-        let (a, l) = parse_cidr(entry).map_err(|m| anyhow!("{file}:{}: {m}", n + 1))?;
-        out.push(format!("{a}/{l}"));
+        if entry.starts_with('@') {
+            bail!("{file}:{}: groups are not allowed in a deny list", n + 1);
+        }
+        out.push(parse_destination(entry).map_err(|m| anyhow!("{file}:{}: {m}", n + 1))?);
     }
     Ok(out)
 }
@@ -154,6 +163,9 @@ impl Network {
             subnet_len: len,
             uplink,
             dns,
+            dns_port: 53,
+            proxy_port: 0,
+            custom: Default::default(),
             deny_files: Vec::new(),
         })
     }
@@ -166,12 +178,28 @@ impl Network {
         Ok(self)
     }
 
+    /// Where the daemon's resolver and TCP proxy listen (host/egress).
+    pub fn with_ports(mut self, dns_port: u16, proxy_port: u16) -> Network {
+        self.dns_port = dns_port;
+        self.proxy_port = proxy_port;
+        self
+    }
+
+    /// The upstream resolver sandboxes' questions are forwarded to.
+    pub fn upstream_dns(&self) -> Ipv4Addr {
+        self.dns
+    }
+
+    pub fn subnet(&self) -> (Ipv4Addr, u8) {
+        (self.subnet, self.subnet_len)
+    }
+
     pub fn deny_files(&self) -> &[PathBuf] {
         &self.deny_files
     }
 
     /// The entries of every deny-list file, as they are now.
-    pub fn deny_list(&self) -> Result<Vec<String>> {
+    pub fn deny_list(&self) -> Result<Vec<Destination>> {
         let mut all = Vec::new();
         for f in &self.deny_files {
             let text = std::fs::read_to_string(f)
@@ -181,29 +209,41 @@ impl Network {
         Ok(all)
     }
 
-    fn deny_elements(list: &[String]) -> String {
-        if list.is_empty() {
+    /// The addresses of a deny list, as nftables set elements (names are the proxy's and resolver's).
+    fn deny_cidrs(list: &[Destination]) -> Vec<String> {
+        list.iter()
+            .filter_map(|d| match d {
+                Destination::Cidr(a, l) => Some(format!("{a}/{l}")),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn deny_elements(list: &[Destination]) -> String {
+        let cidrs = Self::deny_cidrs(list);
+        if cidrs.is_empty() {
             String::new()
         } else {
-            format!(" elements = {{ {} }};", list.join(", "))
+            format!(" elements = {{ {} }};", cidrs.join(", "))
         }
     }
 
     /// Re-reads the deny-list files and swaps the set's contents in one transaction. The egress
     /// chain sees every outgoing packet, so connections already open to a newly denied address are
-    /// cut too. Returns how many entries are in force.
-    pub fn reload_deny_list(&self) -> Result<usize> {
+    /// cut too. Returns the entries now in force (the names are for the proxy and resolver).
+    pub fn reload_deny_list(&self) -> Result<Vec<Destination>> {
         let list = self.deny_list()?;
+        let cidrs = Self::deny_cidrs(&list);
         let t = &self.table;
         let mut s = format!("flush set inet {t} deny4\n");
-        if !list.is_empty() {
+        if !cidrs.is_empty() {
             s.push_str(&format!(
                 "add element inet {t} deny4 {{ {} }}\n",
-                list.join(", ")
+                cidrs.join(", ")
             ));
         }
         run(&["nft", "-f", "-"], &s).context("load the deny list")?;
-        Ok(list.len())
+        Ok(list)
     }
 
     /// Host-side (gateway) and sandbox addresses of a slot's /30.
@@ -221,6 +261,13 @@ impl Network {
     }
 
     /// The whole table: base chains plus one policy chain per live sandbox (slot → policy).
+    ///
+    /// A packet from a sandbox meets, in order: `guard` (prerouting, before any address is rewritten):
+    /// spoofed sources dropped, IPv6 dropped, DNS let on to the resolver, the never-reached ranges,
+    /// the deny list and the host's own addresses refused, then the sandbox's own chain (rate limits;
+    /// TCP on to the proxy; other protocols by the policy's CIDRs); `prerouting` (nat): DNS
+    /// redirected to the daemon's resolver, TCP to its proxy; `input`: only those two ports open to
+    /// sandboxes, and to nobody else; `forward`: no TCP (the proxy carries it); `postrouting`: NAT.
     pub fn ruleset(&self, live: &BTreeMap<u32, NetworkPolicy>) -> Result<String> {
         let p = &self.prefix;
         let t = &self.table;
@@ -230,86 +277,61 @@ impl Network {
             Some(u) => format!("iifname \"{p}h*\" oifname \"{u}\" masquerade"),
             None => format!("iifname \"{p}h*\" oifname != \"{p}h*\" masquerade"),
         };
+        let (dns, proxy) = (self.dns_port, self.proxy_port);
         let mut s = format!(
             "table inet {t} {{}}\ndelete table inet {t}\ntable inet {t} {{\n\
              \tset never4 {{ type ipv4_addr; flags interval; elements = {{ {never} }} }}\n\
              \tset private4 {{ type ipv4_addr; flags interval; elements = {{ {private} }} }}\n\
              \tset deny4 {{ type ipv4_addr; flags interval; auto-merge;{deny} }}\n\
              \tmap by_if {{ type ifname : verdict; }}\n\
+             \tchain sbx_default {{}}\n\
+             \tchain guard {{ type filter hook prerouting priority -150; policy accept;\n\
+             \t\tiifname != \"{p}h*\" return\n\
+             \t\tfib saddr . iif oif missing drop\n\
+             \t\tmeta nfproto ipv6 drop\n\
+             \t\tmeta l4proto {{ tcp, udp }} th dport 53 accept\n\
+             \t\tip daddr @never4 reject\n\
+             \t\tip daddr @deny4 reject\n\
+             \t\tfib daddr type local reject\n\
+             \t\tiifname vmap @by_if\n\
+             \t\tjump sbx_default\n\t}}\n\
              \tchain input {{ type filter hook input priority filter - 5; policy accept;\n\
              \t\tiifname \"{p}h*\" ct state established,related accept\n\
-             \t\tiifname \"{p}h*\" reject\n\t}}\n\
+             \t\tiifname \"{p}h*\" ct status dnat meta l4proto {{ tcp, udp }} th dport {dns} accept\n\
+             \t\tiifname \"{p}h*\" ct status dnat tcp dport {proxy} accept\n\
+             \t\tiifname \"{p}h*\" reject\n\
+             \t\tct state new udp dport {dns} reject\n\
+             \t\tct state new tcp dport {{ {dns}, {proxy} }} reject\n\t}}\n\
              \tchain forward {{ type filter hook forward priority filter - 5; policy accept;\n\
              \t\toifname \"{p}h*\" ct state established,related accept\n\
              \t\toifname \"{p}h*\" reject\n\
-             \t\tiifname \"{p}h*\" jump egress\n\t}}\n\
-             \tchain egress {{\n\
-             \t\tmeta nfproto ipv6 reject\n\
-             \t\tip daddr @never4 reject\n\
-             \t\tip daddr @deny4 reject\n\
-             \t\tiifname vmap @by_if\n\
-             \t\tct status dnat meta l4proto {{ tcp, udp }} th dport 53 accept\n\
-             \t\tip daddr @private4 reject\n\
-             \t\taccept\n\t}}\n\
+             \t\tiifname \"{p}h*\" meta l4proto tcp reject\n\
+             \t\tiifname \"{p}h*\" meta nfproto ipv6 reject\n\
+             \t\tiifname \"{p}h*\" ip daddr @never4 reject\n\
+             \t\tiifname \"{p}h*\" ip daddr @deny4 reject\n\t}}\n\
              \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
-             \t\tiifname \"{p}h*\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {dns}\n\t}}\n\
+             \t\tiifname \"{p}h*\" meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns}\n\
+             \t\tiifname \"{p}h*\" meta l4proto tcp redirect to :{proxy}\n\t}}\n\
              \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n\
              \t\t{masq}\n\t}}\n}}\n",
             never = never.join(", "),
             private = PRIVATE.join(", "),
             deny = Self::deny_elements(&self.deny_list()?),
-            dns = self.dns,
         );
+        s.push_str(&self.chain_commands("sbx_default", &NetworkPolicy::default())?);
         for (slot, policy) in live {
             s.push_str(&self.policy_commands(*slot, policy)?);
         }
         Ok(s)
     }
 
-    /// nft commands that (re)make a slot's policy chain and point its interface at it.
+    /// nft commands that (re)make a slot's policy chain and point its interface at it. TCP is
+    /// accepted here for the proxy, which applies the whole policy (names included) and logs; the
+    /// CIDRs of the policy decide the other protocols.
     fn policy_commands(&self, slot: u32, policy: &NetworkPolicy) -> Result<String> {
         let t = &self.table;
         let c = Self::chain(slot);
-        let cidrs = |list: &[String]| -> Result<String> {
-            let v = list
-                .iter()
-                .map(|e| {
-                    parse_cidr(e)
-                        .map(|(a, l)| format!("{a}/{l}"))
-                        .map_err(|m| anyhow!(m))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(v.join(", "))
-        };
-        let mut s = format!("add chain inet {t} {c}\nflush chain inet {t} {c}\n");
-        if let Some(n) = policy.connections_per_second {
-            s.push_str(&format!(
-                "add rule inet {t} {c} ct state new limit rate over {n}/second burst {n} packets reject\n"
-            ));
-        }
-        if let Some(mbps) = policy.egress_mbps {
-            // 1 Mbit/s = 125 kbytes/s; a burst of a tenth of a second (at least 64 KiB).
-            let kbytes = mbps as u64 * 125;
-            s.push_str(&format!(
-                "add rule inet {t} {c} limit rate over {kbytes} kbytes/second burst {} kbytes drop\n",
-                (kbytes / 10).max(64)
-            ));
-        }
-        if !policy.allow_out.is_empty() {
-            s.push_str(&format!(
-                "add rule inet {t} {c} ip daddr {{ {} }} accept\n",
-                cidrs(&policy.allow_out)?
-            ));
-        }
-        if !policy.deny_out.is_empty() {
-            s.push_str(&format!(
-                "add rule inet {t} {c} ip daddr {{ {} }} reject\n",
-                cidrs(&policy.deny_out)?
-            ));
-        }
-        if !policy.allow_internet {
-            s.push_str(&format!("add rule inet {t} {c} reject\n"));
-        }
+        let mut s = self.chain_commands(&c, policy)?;
         s.push_str(&format!(
             "add element inet {t} by_if {{ \"{}\" : jump {c} }}\n",
             self.host_if(slot)
@@ -317,31 +339,101 @@ impl Network {
         Ok(s)
     }
 
+    /// nft commands that (re)make chain `c` with `policy`'s rules.
+    fn chain_commands(&self, c: &str, policy: &NetworkPolicy) -> Result<String> {
+        let t = &self.table;
+        let cidrs = |list: &[String]| -> Result<String> {
+            let mut v = Vec::new();
+            for e in list {
+                match parse_destination(e).map_err(|m| anyhow!(m))? {
+                    Destination::Cidr(a, l) => v.push(format!("{a}/{l}")),
+                    _ => continue,
+                }
+            }
+            Ok(v.join(", "))
+        };
+        let enforce = policy.mode == NetworkMode::Enforce;
+        let mut s = format!("add chain inet {t} {c}\nflush chain inet {t} {c}\n");
+        let mut rule = |r: &str| s.push_str(&format!("add rule inet {t} {c} {r}\n"));
+        if let Some(n) = policy.connections_per_second {
+            rule(&format!(
+                "ct state new limit rate over {n}/second burst {n} packets reject"
+            ));
+        }
+        if let Some(mbps) = policy.egress_mbps {
+            // 1 Mbit/s = 125 kbytes/s; a burst of a tenth of a second (at least 64 KiB).
+            let kbytes = mbps as u64 * 125;
+            rule(&format!(
+                "limit rate over {kbytes} kbytes/second burst {} kbytes drop",
+                (kbytes / 10).max(64)
+            ));
+        }
+        rule("meta l4proto tcp accept");
+        if policy.has_names() && enforce {
+            // QUIC (HTTP/3) carries its name where nftables cannot check it: clients fall back to
+            // TCP, where the proxy does.
+            rule("udp dport 443 reject");
+        }
+        let allow = cidrs(&policy.allow_out)?;
+        if !allow.is_empty() {
+            rule(&format!("ip daddr {{ {allow} }} accept"));
+        }
+        let deny = cidrs(&policy.deny_out)?;
+        if enforce {
+            if !deny.is_empty() {
+                rule(&format!("ip daddr {{ {deny} }} reject"));
+            }
+            if !policy.allow_internet {
+                rule("reject");
+            }
+        }
+        rule("ip daddr @private4 reject");
+        rule("accept");
+        Ok(s)
+    }
+
     /// Installs the table (replacing an older one atomically) and turns on IPv4 forwarding.
     pub fn install(&self, live: &BTreeMap<u32, NetworkPolicy>) -> Result<()> {
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").context("enable IPv4 forwarding")?;
-        run(&["nft", "-f", "-"], &self.ruleset(live)?).context("install the nftables table")
+        run(&["nft", "-f", "-"], &self.ruleset(live)?).context("install the nftables table")?;
+        *self.custom.lock().unwrap_or_else(|e| e.into_inner()) = live.keys().copied().collect();
+        Ok(())
     }
 
     /// Replaces a sandbox's policy (live: one transaction).
     pub fn set_policy(&self, slot: u32, policy: &NetworkPolicy) -> Result<()> {
         run(&["nft", "-f", "-"], &self.policy_commands(slot, policy)?)
-            .context("apply the network policy")
+            .context("apply the network policy")?;
+        self.custom
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot);
+        Ok(())
     }
 
-    /// Gives the sandbox whose PID 1 is `pid` its `eth0`, address, route and policy.
+    /// Gives the sandbox whose PID 1 is `pid` its `eth0`, address, route and policy. The veth pair is
+    /// made with its sandbox end in the sandbox's namespace already (moving an interface between
+    /// namespaces costs the kernel more than making it there), and a sandbox with the default policy
+    /// needs no nft transaction (its interface falls through to `sbx_default`).
     pub fn attach(&self, slot: u32, pid: u32, policy: &NetworkPolicy) -> Result<()> {
         let (gw, ip) = self.addresses(slot);
         let host = self.host_if(slot);
-        let peer = format!("{}s{slot}", self.prefix);
         // A leftover of a crash with the same name would make `link add` fail.
-        let _ = run(&["ip", "link", "del", &host], "");
-        self.set_policy(slot, policy)?;
+        if interfaces().contains(&host) {
+            let _ = run(&["ip", "link", "del", &host], "");
+        }
+        let custom = self
+            .custom
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&slot);
+        if custom || *policy != NetworkPolicy::default() {
+            self.set_policy(slot, policy)?;
+        }
         run(
             &["ip", "-batch", "-"],
             &format!(
-                "link add {host} type veth peer name {peer}\n\
-                 link set {peer} netns {pid}\n\
+                "link add {host} type veth peer name eth0 netns {pid}\n\
                  addr add {gw}/30 dev {host}\n\
                  link set {host} up\n"
             ),
@@ -351,8 +443,7 @@ impl Network {
         run(
             &["nsenter", &netns, "ip", "-batch", "-"],
             &format!(
-                "link set {peer} name eth0\n\
-                 addr add {ip}/30 dev eth0\n\
+                "addr add {ip}/30 dev eth0\n\
                  link set eth0 up\n\
                  route add default via {gw}\n"
             ),
@@ -371,6 +462,14 @@ impl Network {
                     return Err(e);
                 }
             }
+        }
+        let custom = self
+            .custom
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&slot);
+        if !custom {
+            return Ok(());
         }
         let t = &self.table;
         let c = Self::chain(slot);
@@ -436,13 +535,18 @@ mod tests {
     #[test]
     fn deny_list_files() {
         let list = parse_deny_list(
-            "# known bad\n203.0.113.7\n\n198.51.100.0/24  # a range\n2001:db8::/32\n",
+            "# known bad\n203.0.113.7\n\n198.51.100.0/24  # a range\n2001:db8::/32\n*.evil.example\n",
             "bad.txt",
         )
         .unwrap();
-        assert_eq!(list, ["203.0.113.7/32", "198.51.100.0/24"]);
-        let err = parse_deny_list("203.0.113.7\nevil.example\n", "bad.txt").unwrap_err();
+        assert_eq!(
+            Network::deny_cidrs(&list),
+            ["203.0.113.7/32", "198.51.100.0/24"]
+        );
+        assert_eq!(list[2], Destination::Wildcard("evil.example".into()));
+        let err = parse_deny_list("203.0.113.7\nevil example\n", "bad.txt").unwrap_err();
         assert!(err.to_string().starts_with("bad.txt:2: "), "{err}");
+        assert!(parse_deny_list("@pypi\n", "bad.txt").is_err());
 
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("deny.txt");
@@ -476,7 +580,16 @@ mod tests {
         let r = n.ruleset(&live).unwrap();
         assert!(r.contains("169.254.0.0/16"), "{r}");
         assert!(r.contains("10.200.0.0/16"), "{r}");
-        assert!(r.contains("dnat ip to 10.255.255.53"), "{r}");
+        let r = n.clone().with_ports(5353, 4444).ruleset(&live).unwrap();
+        assert!(r.contains("th dport 53 redirect to :5353"), "{r}");
+        assert!(r.contains("meta l4proto tcp redirect to :4444"), "{r}");
+        assert!(
+            r.contains("ct state new tcp dport { 5353, 4444 } reject"),
+            "{r}"
+        );
+        // Spoofed sources are dropped before anything else looks at the packet.
+        let guard = &r[r.find("chain guard").unwrap()..];
+        assert!(guard.find("fib saddr").unwrap() < guard.find("dport 53 accept").unwrap());
         assert!(
             r.contains("add rule inet moat_abcd sbx_3 ip daddr { 10.1.2.3/32 } accept"),
             "{r}"
@@ -487,6 +600,15 @@ mod tests {
         );
         assert!(r.contains("add rule inet moat_abcd sbx_3 reject"), "{r}");
         assert!(r.contains("\"mtabcdh3\" : jump sbx_3"), "{r}");
+        // Interfaces without a chain of their own (the default policy) fall through to sbx_default.
+        assert!(
+            r.contains("iifname vmap @by_if\n\t\tjump sbx_default"),
+            "{r}"
+        );
+        assert!(
+            r.contains("add rule inet moat_abcd sbx_default meta l4proto tcp accept"),
+            "{r}"
+        );
         // Allow comes before deny.
         assert!(
             r.find("accept\nadd rule inet moat_abcd sbx_3 ip daddr { 8.8")
@@ -507,8 +629,30 @@ mod tests {
             r.contains("ct state new limit rate over 5/second burst 5 packets reject"),
             "{r}"
         );
+        // Names are for the proxy: not in nftables, but QUIC is refused so clients use TCP.
+        let named = NetworkPolicy {
+            allow_internet: false,
+            allow_out: vec!["pypi.org".into(), "10.0.0.0/8".into()],
+            ..Default::default()
+        };
+        let r = n.policy_commands(5, &named).unwrap();
+        assert!(!r.contains("pypi"), "{r}");
+        assert!(r.contains("sbx_5 udp dport 443 reject"), "{r}");
+        assert!(r.contains("sbx_5 ip daddr { 10.0.0.0/8 } accept"), "{r}");
+        let audit = NetworkPolicy {
+            mode: NetworkMode::Audit,
+            ..named.clone()
+        };
+        let r = n.policy_commands(5, &audit).unwrap();
+        // Audit mode refuses only what is refused in every mode (private ranges not allowed).
+        let rejects: Vec<&str> = r.lines().filter(|l| l.contains("reject")).collect();
+        assert_eq!(
+            rejects,
+            ["add rule inet moat_abcd sbx_5 ip daddr @private4 reject"],
+            "{r}"
+        );
         let bad = NetworkPolicy {
-            allow_out: vec!["example.com".into()],
+            allow_out: vec!["exa mple.com".into()],
             ..Default::default()
         };
         assert!(n.set_policy(1, &bad).is_err());

@@ -6,15 +6,16 @@
         print(sbx.commands.run("echo hello").stdout)
 """
 
-from .aio import AsyncCommandHandle, AsyncPtyHandle, AsyncSandbox, AsyncWatchHandle
+from .aio import AsyncCommandHandle, AsyncNetworkLogStream, AsyncPtyHandle, AsyncSandbox, AsyncWatchHandle
 from .commands import CommandHandle, Commands
 from .exceptions import (AuthenticationError, CommandExitException, CommandTimeoutError, ConflictError,
                          InternalError, InvalidArgumentError, MoatError, NotFoundError, NotSupportedError,
                          PayloadTooLargeError, PermissionDeniedError, SandboxTimeoutError, UnavailableError)
 from .files import FileStream, Filesystem, WatchHandle
 from .models import (CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
-                     NetworkInfo, NetworkPolicy, ProcessEvent, ProcessInfo, Result, SandboxInfo, SnapshotInfo,
-                     TemplateInfo, WriteEntry)
+                     NetworkInfo, NetworkLogEntry, NetworkPolicy, NetworkProposal, ObservedDestination, ProcessEvent,
+                     ProcessInfo, Result, SandboxInfo, SnapshotInfo, TemplateInfo, WriteEntry)
+from .network import NetworkLogStream
 from .pty import Pty, PtyHandle
 from .sandbox import Sandbox
 
@@ -22,10 +23,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Sandbox", "AsyncSandbox", "Commands", "CommandHandle", "AsyncCommandHandle", "Filesystem", "FileStream",
-    "WatchHandle", "AsyncWatchHandle", "Pty", "PtyHandle", "AsyncPtyHandle",
+    "WatchHandle", "AsyncWatchHandle", "Pty", "PtyHandle", "AsyncPtyHandle", "NetworkLogStream",
+    "AsyncNetworkLogStream",
     "CommandResult", "Context", "EntryInfo", "Execution", "ExecutionError", "ExitStatus", "FilesystemEvent", "Logs",
-    "NetworkInfo", "NetworkPolicy", "ProcessEvent", "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo",
-    "TemplateInfo", "WriteEntry",
+    "NetworkInfo", "NetworkLogEntry", "NetworkPolicy", "NetworkProposal", "ObservedDestination", "ProcessEvent",
+    "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo", "TemplateInfo", "WriteEntry",
     "MoatError", "InvalidArgumentError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
     "ConflictError", "PayloadTooLargeError", "SandboxTimeoutError", "UnavailableError", "InternalError",
     "NotSupportedError", "CommandExitException", "CommandTimeoutError",

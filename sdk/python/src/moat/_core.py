@@ -73,6 +73,27 @@ def set_network_body(allow_internet: Union[bool, PolicyLike], allow_out, deny_ou
     return {"allow_internet": bool(allow_internet), "allow_out": _cidrs(allow_out), "deny_out": _cidrs(deny_out)}
 
 
+def network_log_params(decision: Optional[str], after: Optional[int], limit: Optional[int],
+                       follow: bool = False) -> Dict[str, str]:
+    """``GET /v1/sandboxes/{id}/network/log`` query (the daemon checks the values: an unknown ``decision``
+    is an :class:`InvalidArgumentError` with ``field == "decision"``)."""
+    params: Dict[str, str] = {}
+    for k, v in (("decision", decision), ("after", after), ("limit", limit)):
+        if v is not None:
+            params[k] = str(v)
+    if follow:
+        params["follow"] = "true"
+    return params
+
+
+def template_path(template: Any, action: str = "") -> str:
+    name = getattr(template, "name", template)  # a TemplateInfo or its name
+    if not name:
+        raise InvalidArgumentError("a template name is required", code="invalid_argument", field="template")
+    p = f"/v1/templates/{name}"
+    return f"{p}/{action}" if action else p
+
+
 def check_port(port: Any) -> int:
     ok = isinstance(port, int) and not isinstance(port, bool) or isinstance(port, str) and port.isdigit()
     p = int(port) if ok else 0

@@ -12,28 +12,50 @@ class NetworkPolicy:
     """What a sandbox may reach (its egress policy; see docs/network.md).
 
     Whatever the policy, a sandbox never reaches the host, another sandbox, link-local addresses (cloud
-    metadata) or multicast, and has no IPv6. ``allow_out`` and ``deny_out`` hold IPv4 addresses or CIDRs;
-    allow beats deny; private ranges (RFC 1918, CGNAT) are refused unless named in ``allow_out``.
+    metadata) or multicast, and has no IPv6. Entries of ``allow_out`` and ``deny_out`` are IPv4 addresses
+    or CIDRs (``"10.1.2.3"``, ``"192.168.5.0/24"``), domains (``"pypi.org"``: that name, from the TLS SNI,
+    the HTTP ``Host`` or the DNS question), wildcards (``"*.example.com"``: the names below it, not the
+    name itself) and groups (``"@pypi"``, ``"@npm"``, ``"@debian"``, ``"@github"``, ``"@crates"``,
+    ``"@huggingface"``, ``"@docker"``: the names a registry serves from). Allow beats deny; private ranges
+    (RFC 1918, CGNAT) are refused unless named in ``allow_out``.
+
+    ``mode="audit"`` refuses nothing the policy would refuse but logs it with decision ``audit`` (the
+    always-blocked destinations and private ranges stay closed): run an agent so, then take
+    :meth:`Sandbox.network_proposal` as its policy. A policy read from the daemon and written back
+    (``to_json``) keeps every field.
     """
 
     #: The public internet (everything not private and not in ``deny_out``).
     allow_internet: bool = True
     #: Destinations allowed even when ``allow_internet`` is off or they are private.
     allow_out: List[str] = field(default_factory=list)
-    #: Destinations refused (``"0.0.0.0/0"`` refuses everything not in ``allow_out``).
+    #: Destinations refused (``"0.0.0.0/0"`` refuses every address not in ``allow_out``).
     deny_out: List[str] = field(default_factory=list)
+    #: Outgoing bandwidth cap in Mbit/s (packets over it are dropped, so TCP slows down); None: no cap.
+    egress_mbps: Optional[int] = None
+    #: Most new outgoing connections per second (attempts over it are dropped); None: no limit.
+    connections_per_second: Optional[int] = None
+    #: ``"enforce"`` (refuse what the policy denies) or ``"audit"`` (let it through and log it as ``audit``).
+    mode: str = "enforce"
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "NetworkPolicy":
         return cls(allow_internet=bool(d.get("allow_internet", True)), allow_out=list(d.get("allow_out") or []),
-                   deny_out=list(d.get("deny_out") or []))
+                   deny_out=list(d.get("deny_out") or []), egress_mbps=d.get("egress_mbps"),
+                   connections_per_second=d.get("connections_per_second"), mode=d.get("mode") or "enforce")
 
     def to_json(self) -> Dict[str, Any]:
-        def cidrs(v: Any) -> List[str]:
+        def entries(v: Any) -> List[str]:
             return [v] if isinstance(v, str) else [str(c) for c in v or ()]
 
-        return {"allow_internet": bool(self.allow_internet), "allow_out": cidrs(self.allow_out),
-                "deny_out": cidrs(self.deny_out)}
+        d: Dict[str, Any] = {"allow_internet": bool(self.allow_internet), "allow_out": entries(self.allow_out),
+                             "deny_out": entries(self.deny_out)}
+        for k, v in (("egress_mbps", self.egress_mbps), ("connections_per_second", self.connections_per_second)):
+            if v is not None:
+                d[k] = int(v)
+        if self.mode and self.mode != "enforce":
+            d["mode"] = self.mode
+        return d
 
 
 @dataclass
@@ -50,6 +72,85 @@ class NetworkInfo:
     def from_json(cls, d: Dict[str, Any]) -> "NetworkInfo":
         return cls(ip=d.get("ip", ""), gateway=d.get("gateway", ""),
                    policy=NetworkPolicy.from_json(d.get("policy") or {}))
+
+
+@dataclass
+class NetworkLogEntry:
+    """One entry of a sandbox's connection log (``GET /v1/sandboxes/{id}/network/log``): a TCP connection
+    through the daemon's proxy or a DNS question, with what the daemon decided and why."""
+
+    #: Increasing with insertion: pass it as ``after`` to page on or to resume a stream.
+    id: int
+    #: When the attempt started, milliseconds since the Unix epoch.
+    at_ms: int
+    #: The same time, RFC 3339.
+    at: str
+    sandbox_id: str
+    #: ``"tcp"`` or ``"dns"``.
+    protocol: str
+    #: ``"allow"``, ``"deny"`` or ``"audit"`` (let through in audit mode although the policy refuses it).
+    decision: str
+    #: The rule that decided: ``"allow_out[0]"``, ``"deny_out[2]"``, ``"allow_internet"``,
+    #: ``"private range"``, ``"always blocked"``, ``"deny list"``, ...
+    rule: str
+    #: The address and port the sandbox asked for (TCP); None for DNS.
+    dst_ip: Optional[str] = None
+    dst_port: Optional[int] = None
+    #: The name (TLS SNI, HTTP Host or the DNS question) and where it came from (``"sni"``, ``"host"``,
+    #: ``"dns:A"``, ...); None when the connection carried none.
+    name: Optional[str] = None
+    name_source: Optional[str] = None
+    #: The address the daemon connected to (for a name it resolves the name itself).
+    dialed: Optional[str] = None
+    #: Bytes from the sandbox / to the sandbox, and how long the connection lasted.
+    bytes_out: int = 0
+    bytes_in: int = 0
+    duration_ms: int = 0
+    #: Why an allowed connection still failed (the name did not resolve, the server refused, ...).
+    error: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "NetworkLogEntry":
+        return cls(id=d["id"], at_ms=d.get("at_ms", 0), at=d.get("at", ""), sandbox_id=d.get("sandbox_id", ""),
+                   protocol=d.get("protocol", ""), decision=d.get("decision", ""), rule=d.get("rule", ""),
+                   dst_ip=d.get("dst_ip"), dst_port=d.get("dst_port"), name=d.get("name"),
+                   name_source=d.get("name_source"), dialed=d.get("dialed"), bytes_out=d.get("bytes_out", 0),
+                   bytes_in=d.get("bytes_in", 0), duration_ms=d.get("duration_ms", 0), error=d.get("error"))
+
+
+@dataclass
+class ObservedDestination:
+    """One ``allow_out`` entry of a :class:`NetworkProposal` and what it covers."""
+
+    #: The entry proposed: a group (``"@pypi"``), a domain or an address.
+    entry: str
+    #: Connections and questions of the log it covers.
+    count: int = 0
+    #: The names or addresses it covers.
+    covers: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ObservedDestination":
+        return cls(entry=d["entry"], count=d.get("count", 0), covers=list(d.get("covers") or []))
+
+
+@dataclass
+class NetworkProposal:
+    """The tightest egress policy that would have allowed everything in a connection log
+    (``GET /v1/sandboxes/{id}/network/proposal``, or over a template's sandboxes): internet off, and in
+    ``allow_out`` a group, domain or address per destination seen."""
+
+    policy: NetworkPolicy = field(default_factory=NetworkPolicy)
+    #: The proposed ``allow_out`` entries with what each covers and how often.
+    observed: List[ObservedDestination] = field(default_factory=list)
+    #: Log entries the proposal was made from.
+    entries: int = 0
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "NetworkProposal":
+        return cls(policy=NetworkPolicy.from_json(d.get("policy") or {}),
+                   observed=[ObservedDestination.from_json(o) for o in d.get("observed") or []],
+                   entries=d.get("entries", 0))
 
 
 @dataclass

@@ -11,7 +11,8 @@ from ._http import SyncApi
 from .commands import Commands
 from .exceptions import ConflictError, NotFoundError
 from .files import Filesystem
-from .models import Context, Execution, NetworkInfo, SandboxInfo, SnapshotInfo
+from .models import Context, Execution, NetworkInfo, NetworkLogEntry, NetworkProposal, SandboxInfo, SnapshotInfo
+from .network import NetworkLogStream
 from .pty import Pty
 
 
@@ -54,8 +55,9 @@ class Sandbox:
         environment apply unless given here. ``on_timeout``: ``"kill"`` (default) or ``"pause"`` (the
         timeout pauses the sandbox instead; :meth:`connect` resumes it).
 
-        ``network``: its egress policy, a :class:`NetworkPolicy` or a dict with ``allow_internet``,
-        ``allow_out``, ``deny_out`` (the daemon's default when not given; an :class:`InvalidArgumentError`
+        ``network``: its egress policy, a :class:`NetworkPolicy` or a dict with its fields (``allow_internet``,
+        ``allow_out``, ``deny_out``, ``egress_mbps``, ``connections_per_second``, ``mode``; the daemon's
+        default when not given; an :class:`InvalidArgumentError`
         with ``field == "network"`` when the daemon runs with ``--network none``). ``allow_public_traffic``:
         its exposed ports answer anyone, without the API key or its access token (default False).
         """
@@ -164,14 +166,54 @@ class Sandbox:
                     deny_out: Optional[List[str]] = None) -> NetworkInfo:
         """Replaces the egress policy, in force for new connections at once; returns the new network info.
 
-        Give the three fields, or one :class:`NetworkPolicy` (or dict) instead of ``allow_internet``.
-        Entries are IPv4 addresses or CIDRs (:class:`InvalidArgumentError` naming the bad one, e.g.
-        ``field == "network.allow_out[1]"``); :class:`ConflictError` without sandbox networking.
+        Give the three fields, or one :class:`NetworkPolicy` (or dict) instead of ``allow_internet`` (for
+        ``egress_mbps``, ``connections_per_second`` and ``mode``). Entries are IPv4 addresses or CIDRs,
+        domains, wildcards (``*.example.com``) or groups (``@pypi``) (:class:`InvalidArgumentError` naming
+        the bad one, e.g. ``field == "network.allow_out[1]"``); :class:`ConflictError` without sandbox
+        networking.
         """
         info = NetworkInfo.from_json(self._api.json("PUT", f"/v1/sandboxes/{self.id}/network",
                                                     json=_core.set_network_body(allow_internet, allow_out, deny_out)))
         self._info.network = info
         return info
+
+    def network_log(self, decision: Optional[str] = None, after: Optional[int] = None,
+                    limit: Optional[int] = None) -> List[NetworkLogEntry]:
+        """The sandbox's connection log, oldest first: its TCP connections and DNS questions with the
+        decision and the rule that made it (kept after the sandbox is gone).
+
+        ``decision``: only ``"allow"``, ``"deny"`` or ``"audit"`` entries (another value is an
+        :class:`InvalidArgumentError`); ``after``: only entries with a greater id (to page on); ``limit``:
+        at most this many (daemon default 100, at most 10000).
+        """
+        d = self._api.json("GET", f"/v1/sandboxes/{self.id}/network/log",
+                           params=_core.network_log_params(decision, after, limit))
+        return [NetworkLogEntry.from_json(e) for e in d["entries"]]
+
+    def follow_network_log(self, decision: Optional[str] = None, after: Optional[int] = None) -> NetworkLogStream:
+        """The connection log live: iterate the stream for the stored entries (filtered as in
+        :meth:`network_log`), then new ones as they are logged. It ends when the sandbox is gone (the
+        daemon notices within 2 s); ``stop()`` it (or use ``with``) to end it earlier."""
+        return NetworkLogStream(self._api.open_stream("GET", f"/v1/sandboxes/{self.id}/network/log",
+                                                      params=_core.network_log_params(decision, after, None,
+                                                                                      follow=True)))
+
+    def network_proposal(self) -> NetworkProposal:
+        """The tightest egress policy that would have allowed everything in the sandbox's connection log
+        (internet off; a group, domain or address in ``allow_out`` per destination seen), with what each
+        entry covers. Run the sandbox with ``mode="audit"`` first, then apply ``proposal.policy``."""
+        return NetworkProposal.from_json(self._api.json("GET", f"/v1/sandboxes/{self.id}/network/proposal"))
+
+    @staticmethod
+    def template_network_proposal(template: str, api_key: Optional[str] = None,
+                                  api_url: Optional[str] = None) -> NetworkProposal:
+        """:meth:`network_proposal` over every sandbox started from ``template`` (a name or
+        :class:`TemplateInfo`; :class:`NotFoundError` when unknown)."""
+        api = SyncApi(ConnectionConfig.resolve(api_key, api_url))
+        try:
+            return NetworkProposal.from_json(api.json("GET", _core.template_path(template, "network/proposal")))
+        finally:
+            api.close()
 
     @property
     def access_token(self) -> str:

@@ -298,7 +298,9 @@ impl ContainerTier {
             .ok_or_else(|| anyhow!("sandbox agent {agent_pid} exited at start"))?;
         let net_slot = match (&self.net, &spec.network) {
             (Some(net), Some(policy)) => {
+                let t = std::time::Instant::now();
                 net.attach(spec.slot, agent_pid, policy)?;
+                tracing::debug!(sandbox = %spec.id, slot = spec.slot, took = ?t.elapsed(), "network attached");
                 Some(spec.slot)
             }
             _ => None,
@@ -400,7 +402,9 @@ impl IsolationTier for ContainerTier {
     async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
         let this = self.clone_handle();
         let spec2 = spec.clone();
+        let t = std::time::Instant::now();
         let res = tokio::task::spawn_blocking(move || this.create_blocking(&spec2)).await?;
+        tracing::debug!(sandbox = %spec.id, took = ?t.elapsed(), ok = res.is_ok(), "container created");
         match res {
             Ok(state) => Ok(serde_json::to_value(state)?),
             Err(e) => {

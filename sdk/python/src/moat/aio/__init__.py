@@ -2,8 +2,9 @@
 
 from .commands import AsyncCommandHandle, AsyncCommands
 from .files import AsyncFilesystem, AsyncWatchHandle
+from .network import AsyncNetworkLogStream
 from .pty import AsyncPty, AsyncPtyHandle
 from .sandbox import AsyncSandbox
 
 __all__ = ["AsyncSandbox", "AsyncCommands", "AsyncCommandHandle", "AsyncFilesystem", "AsyncWatchHandle",
-           "AsyncPty", "AsyncPtyHandle"]
+           "AsyncPty", "AsyncPtyHandle", "AsyncNetworkLogStream"]

@@ -9,9 +9,10 @@ from .._config import LONG_REQUEST_TIMEOUT, ConnectionConfig
 from .._core import PolicyLike, SnapshotRef
 from .._http import AsyncApi
 from ..exceptions import ConflictError, NotFoundError
-from ..models import Context, Execution, NetworkInfo, SandboxInfo, SnapshotInfo
+from ..models import Context, Execution, NetworkInfo, NetworkLogEntry, NetworkProposal, SandboxInfo, SnapshotInfo
 from .commands import AsyncCommands
 from .files import AsyncFilesystem
+from .network import AsyncNetworkLogStream
 from .pty import AsyncPty
 
 
@@ -138,6 +139,35 @@ class AsyncSandbox:
         info = NetworkInfo.from_json(d)
         self._info.network = info
         return info
+
+    async def network_log(self, decision: Optional[str] = None, after: Optional[int] = None,
+                          limit: Optional[int] = None) -> List[NetworkLogEntry]:
+        """The connection log, oldest first (see :meth:`Sandbox.network_log`)."""
+        d = await self._api.json("GET", f"/v1/sandboxes/{self.id}/network/log",
+                                 params=_core.network_log_params(decision, after, limit))
+        return [NetworkLogEntry.from_json(e) for e in d["entries"]]
+
+    async def follow_network_log(self, decision: Optional[str] = None,
+                                 after: Optional[int] = None) -> AsyncNetworkLogStream:
+        """The connection log live: ``async for entry in await sbx.follow_network_log()``; it ends when the
+        sandbox is gone, or at ``await stream.stop()``."""
+        r = await self._api.open_stream("GET", f"/v1/sandboxes/{self.id}/network/log",
+                                        params=_core.network_log_params(decision, after, None, follow=True))
+        return AsyncNetworkLogStream(r)
+
+    async def network_proposal(self) -> NetworkProposal:
+        """The tightest policy that would have allowed the sandbox's log (see :meth:`Sandbox.network_proposal`)."""
+        return NetworkProposal.from_json(await self._api.json("GET", f"/v1/sandboxes/{self.id}/network/proposal"))
+
+    @staticmethod
+    async def template_network_proposal(template: str, api_key: Optional[str] = None,
+                                        api_url: Optional[str] = None) -> NetworkProposal:
+        """:meth:`network_proposal` over every sandbox started from ``template``."""
+        api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
+        try:
+            return NetworkProposal.from_json(await api.json("GET", _core.template_path(template, "network/proposal")))
+        finally:
+            await api.close()
 
     @property
     def access_token(self) -> str:
