@@ -384,27 +384,26 @@ async fn create_bb(c: &Client, network: Option<NetworkPolicy>) -> moat_api::Sand
 async fn networked_daemon(
     dir: &Path,
     subnet: &str,
+    extra: &[&str],
 ) -> (Topology, Daemon, Client, std::path::PathBuf) {
     let topo = Topology::new(dir);
     let rootfs = busybox_rootfs(dir);
     let deny_file = dir.join("deny.txt");
     std::fs::write(&deny_file, "# known-bad destinations\n").unwrap();
-    let d = Daemon::start_in_netns(
-        &dir.join("data"),
-        &topo.host,
-        &[
-            "--deny-list",
-            deny_file.to_str().unwrap(),
-            "--network",
-            "nat",
-            "--dns",
-            INTERNET,
-            "--subnet",
-            subnet,
-            "--pool-size",
-            "0",
-        ],
-    );
+    let mut args = vec![
+        "--deny-list",
+        deny_file.to_str().unwrap(),
+        "--network",
+        "nat",
+        "--dns",
+        INTERNET,
+        "--subnet",
+        subnet,
+        "--pool-size",
+        "0",
+    ];
+    args.extend(extra);
+    let d = Daemon::start_in_netns(&dir.join("data"), &topo.host, &args);
     let c = d.client();
     register_bb(&c, &rootfs).await;
     (topo, d, c, deny_file)
@@ -413,7 +412,7 @@ async fn networked_daemon(
 #[tokio::test(flavor = "multi_thread")]
 async fn egress_policy_in_a_test_made_network() {
     let tmp = tempfile::tempdir().unwrap();
-    let (topo, d, c, deny_file) = networked_daemon(tmp.path(), "10.201.0.0/16").await;
+    let (topo, d, c, deny_file) = networked_daemon(tmp.path(), "10.201.0.0/16", &[]).await;
 
     // Default policy: the public internet, nothing else.
     let a = create_bb(&c, None).await;
@@ -718,18 +717,27 @@ async fn network_flags_refused_without_networking() {
 async fn domain_rules_and_connection_log_in_a_test_made_network() {
     use moat_api::{NetDecision, NetworkLogQuery, NetworkMode};
     let tmp = tempfile::tempdir().unwrap();
-    let (_topo, d, c, deny_file) = networked_daemon(tmp.path(), "10.202.0.0/16").await;
+    let (_topo, d, c, deny_file) = networked_daemon(
+        tmp.path(),
+        "10.202.0.0/16",
+        &[
+            "--default-network",
+            r#"{"allow_internet": false, "allow_out": ["good.example"]}"#,
+        ],
+    )
+    .await;
 
-    // Internet off, one domain allowed.
-    let s = create_bb(
-        &c,
-        Some(NetworkPolicy {
+    // Internet off, one domain allowed: the daemon's default policy (`--default-network`) for a
+    // sandbox created without one.
+    let s = create_bb(&c, None).await;
+    assert_eq!(
+        s.network.as_ref().unwrap().policy,
+        NetworkPolicy {
             allow_internet: false,
             allow_out: vec!["good.example".into()],
             ..Default::default()
-        }),
-    )
-    .await;
+        }
+    );
     let id = &s.id;
     // DNS: the allowed name resolves, any other is refused by the daemon's resolver.
     let ok = sh(&c, id, "busybox nslookup good.example").await;
@@ -768,6 +776,18 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         fetch(&c, id, &format!("http://{INTERNET}:8080/")).await,
         None
     );
+    // What nftables decides alone is logged too: UDP, and TCP refused before it reaches the proxy.
+    sh(
+        &c,
+        id,
+        // busybox tftp: a UDP datagram to port 69 (busybox nc has no UDP mode).
+        "busybox timeout 2 busybox tftp -g -r x -l /tmp/x 198.51.100.1; true",
+    )
+    .await;
+    assert_eq!(
+        fetch(&c, id, &format!("http://{METADATA}:8080/")).await,
+        None
+    );
     // A name allowed by the policy that resolves to a private address is not followed (DNS
     // rebinding), unless the private range is allowed too.
     c.set_network(
@@ -790,6 +810,27 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         e.name.as_deref() == Some("inside.example") && e.protocol == "tcp"
     })
     .await;
+    let log = if log.iter().any(|e| e.protocol == "udp") {
+        log
+    } else {
+        log_until(&c, id, |e| e.protocol == "udp").await
+    };
+    let e = log
+        .iter()
+        .find(|e| e.protocol == "udp" && e.dst_port == Some(69))
+        .unwrap_or_else(|| panic!("no UDP entry in {log:#?}"));
+    assert_eq!(
+        (e.decision, e.rule.as_str(), e.dst_ip.as_deref()),
+        (NetDecision::Deny, "allow_internet: false", Some(INTERNET))
+    );
+    let e = log
+        .iter()
+        .find(|e| e.dst_ip.as_deref() == Some(METADATA))
+        .unwrap_or_else(|| panic!("no metadata entry in {log:#?}"));
+    assert_eq!(
+        (e.decision, e.rule.as_str(), e.protocol.as_str(), e.dst_port),
+        (NetDecision::Deny, "always blocked", "tcp", Some(8080))
+    );
     let find = |proto: &str, name: &str, dst: Option<&str>| {
         log.iter()
             .find(|e| {
@@ -962,6 +1003,17 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         (NetDecision::Audit, "allow_internet: false")
     );
     drop(live);
+    // UDP that the policy would refuse goes out and is logged as audit.
+    sh(
+        &c,
+        &a.id,
+        "busybox timeout 2 busybox tftp -g -r x -l /tmp/x 198.51.100.1; true",
+    )
+    .await;
+    log_until(&c, &a.id, |e| {
+        e.protocol == "udp" && e.decision == NetDecision::Audit && e.rule == "allow_internet: false"
+    })
+    .await;
     let log = log_until(&c, &a.id, |e| {
         e.dst_ip.as_deref() == Some(INTERNET) && e.name.is_none()
     })

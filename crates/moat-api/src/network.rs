@@ -311,7 +311,8 @@ pub struct NetworkLogEntry {
     /// The same time, RFC 3339.
     pub at: String,
     pub sandbox_id: String,
-    /// `tcp` (through the daemon's proxy) or `dns` (a query to the daemon's resolver).
+    /// `tcp` (through the daemon's proxy, or refused before it), `dns` (a query to the daemon's
+    /// resolver), `udp` or `icmp` (the first packet of a flow nftables decided).
     pub protocol: String,
     /// The address the sandbox asked for (TCP), absent for DNS.
     #[serde(default, skip_serializing_if = "Option::is_none")]

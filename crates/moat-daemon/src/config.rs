@@ -91,11 +91,16 @@ pub struct ServeArgs {
     /// Resolver sandbox DNS queries go to; default: the host's first non-loopback nameserver.
     #[arg(long, env = "MOAT_DNS")]
     pub dns: Option<std::net::Ipv4Addr>,
-    /// Daemon-wide deny list: a file of IPv4 addresses and CIDRs (one per line, `#` comments) that no
-    /// sandbox reaches, whatever its own policy allows. Repeatable (comma-separated in the
+    /// Daemon-wide deny list: a file of IPv4 addresses, CIDRs and domains (one per line, `#`
+    /// comments) that no sandbox reaches, whatever its own policy allows. Repeatable (comma-separated in the
     /// environment); re-read when a file changes or the daemon gets SIGHUP.
     #[arg(long = "deny-list", env = "MOAT_DENY_LIST", value_delimiter = ',')]
     pub deny_list: Vec<PathBuf>,
+    /// Egress policy of sandboxes created without one, as JSON (`{"allow_internet": false,
+    /// "allow_out": ["@pypi"]}`) or `@FILE` holding it; default: public internet allowed, private
+    /// ranges and metadata blocked.
+    #[arg(long, env = "MOAT_DEFAULT_NETWORK", value_name = "JSON|@FILE")]
+    pub default_network: Option<String>,
     /// The audit log keeps at most this many entries (the oldest go first); 0: no cap.
     #[arg(long, env = "MOAT_AUDIT_MAX_ENTRIES", default_value_t = 1_000_000)]
     pub audit_max_entries: u64,

@@ -50,6 +50,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
+    sandboxes::default_network(&args)?;
     let audit = audit::Audit::start(db.clone());
     let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone());
     let network = network_for(&args, db.clone(), events).await?;
@@ -379,6 +380,13 @@ async fn network_for(
     tokio::spawn(host::egress::dns::serve_udp(dns_udp, egress.clone()));
     tokio::spawn(host::egress::dns::serve_tcp(dns_tcp, egress.clone()));
     tokio::spawn(host::egress::proxy::serve(proxy, egress.clone()));
+    let nflog = host::egress::nflog::open(net.log_group())
+        .context("the connection log's NFLOG socket (nfnetlink_log)")?;
+    let (e, rt) = (egress.clone(), tokio::runtime::Handle::current());
+    std::thread::Builder::new()
+        .name("nflog".into())
+        .spawn(move || host::egress::nflog::read_loop(nflog, e, rt))
+        .context("start the NFLOG reader")?;
     tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, dns_port, proxy_port, "sandbox networking: NAT, DNS and TCP through the daemon");
     Ok(Some((net, egress)))
 }

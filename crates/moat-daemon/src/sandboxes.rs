@@ -48,6 +48,27 @@ pub struct Sandboxes {
     op_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Held while layers are committed and recorded, and while unused ones are removed.
     layer_lock: std::sync::Mutex<()>,
+    /// The egress policy of sandboxes created without one (`--default-network`).
+    default_network: moat_api::NetworkPolicy,
+}
+
+/// The policy `--default-network` gives (JSON, or `@FILE` holding JSON), checked like a create's.
+pub fn default_network(args: &ServeArgs) -> anyhow::Result<moat_api::NetworkPolicy> {
+    let Some(v) = &args.default_network else {
+        return Ok(moat_api::NetworkPolicy::default());
+    };
+    let text = match v.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--default-network {v}: {e}"))?,
+        None => v.clone(),
+    };
+    let p: moat_api::NetworkPolicy =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--default-network: {e}"))?;
+    validate_policy(&p).map_err(|e| {
+        let field = e.0.error.field.unwrap_or_default();
+        anyhow::anyhow!("--default-network: {field}: {}", e.0.error.message)
+    })?;
+    Ok(p)
 }
 
 /// Per-process output buffer bounds, bytes.
@@ -233,6 +254,8 @@ impl Sandboxes {
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
     ) -> Sandboxes {
+        // Checked by `serve` before it gets here.
+        let default_network = default_network(&args).unwrap_or_default();
         let host_cpus = std::thread::available_parallelism()
             .map(|n| n.get() as f64)
             .unwrap_or(1.0);
@@ -270,6 +293,7 @@ impl Sandboxes {
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
             op_locks: std::sync::Mutex::new(HashMap::new()),
             layer_lock: std::sync::Mutex::new(()),
+            default_network,
         }
     }
 
@@ -375,7 +399,9 @@ impl Sandboxes {
                 None => Ok(None),
             };
         }
-        let policy = asked.cloned().unwrap_or_default();
+        let policy = asked
+            .cloned()
+            .unwrap_or_else(|| self.default_network.clone());
         validate_policy(&policy)?;
         Ok(Some(policy))
     }
@@ -1195,6 +1221,44 @@ impl Sandboxes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_network_from_json_or_a_file() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let args = |v: Option<&str>| {
+            let mut argv = vec!["moat"];
+            if let Some(v) = v {
+                argv.extend(["--default-network", v]);
+            }
+            <Cli as clap::Parser>::try_parse_from(argv).unwrap().serve
+        };
+        assert_eq!(
+            default_network(&args(None)).unwrap(),
+            moat_api::NetworkPolicy::default()
+        );
+        let p = default_network(&args(Some(
+            r#"{"allow_internet":false,"allow_out":["@pypi"]}"#,
+        )))
+        .unwrap();
+        assert!(!p.allow_internet);
+        assert_eq!(p.allow_out, ["@pypi"]);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("net.json");
+        std::fs::write(&f, r#"{"deny_out":["203.0.113.0/24"]}"#).unwrap();
+        let from_file = format!("@{}", f.display());
+        assert_eq!(
+            default_network(&args(Some(&from_file))).unwrap().deny_out,
+            ["203.0.113.0/24"]
+        );
+        let bad = default_network(&args(Some(r#"{"allow_out":["exa mple.com"]}"#))).unwrap_err();
+        assert!(bad.to_string().contains("network.allow_out[0]"), "{bad}");
+        assert!(default_network(&args(Some("{not json"))).is_err());
+        assert!(default_network(&args(Some("@/nonexistent"))).is_err());
+    }
 
     #[test]
     fn ids_are_well_formed_and_distinct() {

@@ -45,6 +45,9 @@ pub struct Network {
     /// every DNS packet and TCP connection of a sandbox is redirected to.
     dns_port: u16,
     proxy_port: u16,
+    /// NFLOG group of the connection log's nft `log` statements (from the data dir's hash, so two
+    /// daemons in one network namespace do not share one).
+    log_group: u16,
     /// Slots whose interface has a chain of its own in `by_if`; the others (the default policy) use
     /// the shared `sbx_default` chain, so a sandbox with the default policy costs no nft transaction.
     custom: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u32>>>,
@@ -165,6 +168,11 @@ impl Network {
             dns,
             dns_port: 53,
             proxy_port: 0,
+            log_group: id_hash
+                .get(4..8)
+                .and_then(|h| u16::from_str_radix(h, 16).ok())
+                .unwrap_or(1)
+                .max(1),
             custom: Default::default(),
             deny_files: Vec::new(),
         })
@@ -290,9 +298,9 @@ impl Network {
              \t\tfib saddr . iif oif missing drop\n\
              \t\tmeta nfproto ipv6 drop\n\
              \t\tmeta l4proto {{ tcp, udp }} th dport 53 accept\n\
-             \t\tip daddr @never4 reject\n\
-             \t\tip daddr @deny4 reject\n\
-             \t\tfib daddr type local reject\n\
+             \t\tip daddr @never4 {log_never} reject\n\
+             \t\tip daddr @deny4 {log_deny} reject\n\
+             \t\tfib daddr type local {log_never} reject\n\
              \t\tiifname vmap @by_if\n\
              \t\tjump sbx_default\n\t}}\n\
              \tchain input {{ type filter hook input priority filter - 5; policy accept;\n\
@@ -317,6 +325,8 @@ impl Network {
             never = never.join(", "),
             private = PRIVATE.join(", "),
             deny = Self::deny_elements(&self.deny_list()?),
+            log_never = self.log("D", "always blocked"),
+            log_deny = self.log("D", "deny list"),
         );
         s.push_str(&self.chain_commands("sbx_default", &NetworkPolicy::default())?);
         for (slot, policy) in live {
@@ -342,22 +352,31 @@ impl Network {
     /// nft commands that (re)make chain `c` with `policy`'s rules.
     fn chain_commands(&self, c: &str, policy: &NetworkPolicy) -> Result<String> {
         let t = &self.table;
-        let cidrs = |list: &[String]| -> Result<String> {
+        let cidrs = |list: &[String]| -> Result<Vec<(usize, String)>> {
             let mut v = Vec::new();
-            for e in list {
-                match parse_destination(e).map_err(|m| anyhow!(m))? {
-                    Destination::Cidr(a, l) => v.push(format!("{a}/{l}")),
-                    _ => continue,
+            for (i, e) in list.iter().enumerate() {
+                if let Destination::Cidr(a, l) = parse_destination(e).map_err(|m| anyhow!(m))? {
+                    v.push((i, format!("{a}/{l}")));
                 }
             }
-            Ok(v.join(", "))
+            Ok(v)
         };
         let enforce = policy.mode == NetworkMode::Enforce;
+        // What a refusal of the policy's own rules does in this mode: refuse and log `D`, or (audit)
+        // log `U` once per flow and let it through.
+        let refuse = |rule: &str| {
+            if enforce {
+                format!("{} reject", self.log("D", rule))
+            } else {
+                format!("ct state new {} accept", self.log("U", rule))
+            }
+        };
         let mut s = format!("add chain inet {t} {c}\nflush chain inet {t} {c}\n");
         let mut rule = |r: &str| s.push_str(&format!("add rule inet {t} {c} {r}\n"));
         if let Some(n) = policy.connections_per_second {
             rule(&format!(
-                "ct state new limit rate over {n}/second burst {n} packets reject"
+                "ct state new limit rate over {n}/second burst {n} packets {} reject",
+                self.log("D", "connections_per_second")
             ));
         }
         if let Some(mbps) = policy.egress_mbps {
@@ -368,28 +387,53 @@ impl Network {
                 (kbytes / 10).max(64)
             ));
         }
+        // TCP: the proxy decides and logs.
         rule("meta l4proto tcp accept");
         if policy.has_names() && enforce {
             // QUIC (HTTP/3) carries its name where nftables cannot check it: clients fall back to
             // TCP, where the proxy does.
-            rule("udp dport 443 reject");
+            rule(&format!(
+                "udp dport 443 {} reject",
+                self.log("D", "quic (names are checked on TCP)")
+            ));
         }
-        let allow = cidrs(&policy.allow_out)?;
-        if !allow.is_empty() {
-            rule(&format!("ip daddr {{ {allow} }} accept"));
+        for (i, cidr) in cidrs(&policy.allow_out)? {
+            rule(&format!(
+                "ip daddr {cidr} ct state new {} accept",
+                self.log("A", &format!("allow_out[{i}]"))
+            ));
+            rule(&format!("ip daddr {cidr} accept"));
         }
-        let deny = cidrs(&policy.deny_out)?;
-        if enforce {
-            if !deny.is_empty() {
-                rule(&format!("ip daddr {{ {deny} }} reject"));
-            }
-            if !policy.allow_internet {
-                rule("reject");
-            }
+        for (i, cidr) in cidrs(&policy.deny_out)? {
+            rule(&format!(
+                "ip daddr {cidr} {}",
+                refuse(&format!("deny_out[{i}]"))
+            ));
         }
-        rule("ip daddr @private4 reject");
+        if !policy.allow_internet {
+            rule(&refuse("allow_internet: false"));
+        }
+        rule(&format!(
+            "ip daddr @private4 {} reject",
+            self.log("D", "private range")
+        ));
+        rule(&format!(
+            "ct state new {} accept",
+            self.log("A", "allow_internet")
+        ));
         rule("accept");
         Ok(s)
+    }
+
+    /// An nft `log` statement sending the packet to the daemon's connection log (host/egress/nflog.rs)
+    /// with the decision (`A`llow, `D`eny, a`U`dit) and the rule.
+    fn log(&self, decision: &str, rule: &str) -> String {
+        format!("log group {} prefix \"{decision} {rule}\"", self.log_group)
+    }
+
+    /// The NFLOG group the connection log reads.
+    pub fn log_group(&self) -> u16 {
+        self.log_group
     }
 
     /// Installs the table (replacing an older one atomically) and turns on IPv4 forwarding.
@@ -555,7 +599,9 @@ mod tests {
         let rules = n.ruleset(&BTreeMap::new()).unwrap();
         assert!(rules.contains("elements = { 203.0.113.0/24 }"), "{rules}");
         // Checked before any sandbox's own policy: a sandbox's allow_out cannot undo it.
-        let deny = rules.find("ip daddr @deny4 reject").unwrap();
+        let deny = rules
+            .find("ip daddr @deny4 log group 1 prefix \"D deny list\" reject")
+            .unwrap();
         assert!(deny < rules.find("iifname vmap @by_if").unwrap());
         assert!(net()
             .with_deny_files(vec![dir.path().join("missing")])
@@ -590,15 +636,23 @@ mod tests {
         // Spoofed sources are dropped before anything else looks at the packet.
         let guard = &r[r.find("chain guard").unwrap()..];
         assert!(guard.find("fib saddr").unwrap() < guard.find("dport 53 accept").unwrap());
+        // Each decision of nftables is logged once per flow with its rule (host/egress/nflog.rs).
         assert!(
-            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 10.1.2.3/32 } accept"),
+            r.contains("add rule inet moat_abcd sbx_3 ip daddr 10.1.2.3/32 ct state new log group 1 prefix \"A allow_out[0]\" accept\nadd rule inet moat_abcd sbx_3 ip daddr 10.1.2.3/32 accept"),
             "{r}"
         );
         assert!(
-            r.contains("add rule inet moat_abcd sbx_3 ip daddr { 8.8.8.0/24 } reject"),
+            r.contains("add rule inet moat_abcd sbx_3 ip daddr 8.8.8.0/24 log group 1 prefix \"D deny_out[0]\" reject"),
             "{r}"
         );
-        assert!(r.contains("add rule inet moat_abcd sbx_3 reject"), "{r}");
+        assert!(
+            r.contains("add rule inet moat_abcd sbx_3 log group 1 prefix \"D allow_internet: false\" reject"),
+            "{r}"
+        );
+        assert!(
+            r.contains("ip daddr @never4 log group 1 prefix \"D always blocked\" reject"),
+            "{r}"
+        );
         assert!(r.contains("\"mtabcdh3\" : jump sbx_3"), "{r}");
         // Interfaces without a chain of their own (the default policy) fall through to sbx_default.
         assert!(
@@ -611,7 +665,7 @@ mod tests {
         );
         // Allow comes before deny.
         assert!(
-            r.find("accept\nadd rule inet moat_abcd sbx_3 ip daddr { 8.8")
+            r.find("accept\nadd rule inet moat_abcd sbx_3 ip daddr 8.8")
                 .is_some(),
             "{r}"
         );
@@ -626,7 +680,7 @@ mod tests {
             "{r}"
         );
         assert!(
-            r.contains("ct state new limit rate over 5/second burst 5 packets reject"),
+            r.contains("ct state new limit rate over 5/second burst 5 packets log group 1 prefix \"D connections_per_second\" reject"),
             "{r}"
         );
         // Names are for the proxy: not in nftables, but QUIC is refused so clients use TCP.
@@ -637,8 +691,8 @@ mod tests {
         };
         let r = n.policy_commands(5, &named).unwrap();
         assert!(!r.contains("pypi"), "{r}");
-        assert!(r.contains("sbx_5 udp dport 443 reject"), "{r}");
-        assert!(r.contains("sbx_5 ip daddr { 10.0.0.0/8 } accept"), "{r}");
+        assert!(r.contains("sbx_5 udp dport 443 log"), "{r}");
+        assert!(r.contains("sbx_5 ip daddr 10.0.0.0/8 accept"), "{r}");
         let audit = NetworkPolicy {
             mode: NetworkMode::Audit,
             ..named.clone()
@@ -648,7 +702,11 @@ mod tests {
         let rejects: Vec<&str> = r.lines().filter(|l| l.contains("reject")).collect();
         assert_eq!(
             rejects,
-            ["add rule inet moat_abcd sbx_5 ip daddr @private4 reject"],
+            ["add rule inet moat_abcd sbx_5 ip daddr @private4 log group 1 prefix \"D private range\" reject"],
+            "{r}"
+        );
+        assert!(
+            r.contains("sbx_5 ct state new log group 1 prefix \"U allow_internet: false\" accept"),
             "{r}"
         );
         let bad = NetworkPolicy {

@@ -9,6 +9,7 @@
 //! be registered here.
 
 pub mod dns;
+pub mod nflog;
 pub mod proxy;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
