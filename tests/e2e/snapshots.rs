@@ -425,6 +425,145 @@ async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
     c.delete_sandbox(&sbx.id).await.unwrap();
 }
 
+/// What a host reboot does to a sandbox, done by hand while the daemon is stopped: its processes
+/// killed (thawed first: frozen tasks cannot die), every mount under its directory gone, its cgroups
+/// removed.
+fn simulate_reboot_of(data_dir: &std::path::Path, id: &str) {
+    for dir in cgroup_dirs(id) {
+        let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+        let _ = std::fs::write(dir.join("cgroup.freeze"), "0");
+    }
+    for pid in cgroup_procs(id) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !cgroup_procs(id).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sandbox processes outlived SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let root = data_dir.join("sandboxes").join(id);
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let mut mounts: Vec<String> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| m.starts_with(root.to_str().unwrap()))
+        .map(str::to_string)
+        .collect();
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    assert!(!mounts.is_empty(), "no mounts under {}", root.display());
+    for m in mounts {
+        nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH).unwrap();
+    }
+    for dir in cgroup_dirs(id) {
+        let _ = std::fs::remove_dir(&dir);
+    }
+}
+
+/// A host reboot ends a paused sandbox's processes; the container tier cannot bring them back
+/// (no CRIU here), but the sandbox stays paused with its files and resumes over them, saying so.
+#[tokio::test(flavor = "multi_thread")]
+async fn paused_sandbox_resumes_with_its_files_after_a_host_reboot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let data = tmp.path().join("data");
+    let d = Daemon::start(&data);
+    let c = d.client();
+    register_bb(&c, &rootfs).await;
+    for disk_mb in [Some(64), Some(0)] {
+        let sbx = c
+            .create_sandbox(&CreateSandboxRequest {
+                template: Some("bb".into()),
+                timeout: Some(600),
+                disk_mb,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            sh(
+                &c,
+                &sbx.id,
+                "mkdir -p /root/work && echo data > /root/work/f && rm /bin/true"
+            )
+            .await
+            .exit
+            .exit_code,
+            Some(0)
+        );
+        c.start_process_background(
+            &sbx.id,
+            &StartProcessRequest {
+                command: Some(COUNTER.into()),
+                background: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.pause_sandbox(&sbx.id).await.unwrap();
+
+        d.stop();
+        simulate_reboot_of(&data, &sbx.id);
+        d.restart();
+        let c = d.client();
+        assert_eq!(
+            c.get_sandbox(&sbx.id).await.unwrap().state,
+            SandboxState::Paused,
+            "disk_mb {disk_mb:?}"
+        );
+        // Nothing runs until it is resumed; a snapshot needs its processes' sandbox.
+        assert_eq!(
+            api_err(
+                c.create_snapshot(&sbx.id, &CreateSnapshotRequest::default())
+                    .await
+            )
+            .1,
+            ErrorCode::Conflict
+        );
+        let r = c
+            .resume_sandbox(&sbx.id, &ResumeRequest::default())
+            .await
+            .unwrap();
+        assert!(!r.processes_kept, "disk_mb {disk_mb:?}");
+        assert_eq!(r.sandbox.state, SandboxState::Running);
+        // Its files, including a deletion from the template, are as they were; the counter is gone.
+        let out = sh(&c, &sbx.id, "cat /root/work/f; ls /bin/true 2>&1; ps").await;
+        assert!(out.stdout.starts_with("data\n"), "{out:?}");
+        assert!(out.stdout.contains("No such file"), "{out:?}");
+        assert!(!out.stdout.contains("count.tmp"), "{out:?}");
+        let a = count(&c, &sbx.id).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(count(&c, &sbx.id).await, a, "a process survived the reboot");
+        // And it works as a sandbox again: commands, pause and resume with its processes.
+        assert_eq!(
+            sh(&c, &sbx.id, "echo more >> /root/work/f")
+                .await
+                .exit
+                .exit_code,
+            Some(0)
+        );
+        c.pause_sandbox(&sbx.id).await.unwrap();
+        let r = c
+            .resume_sandbox(&sbx.id, &ResumeRequest::default())
+            .await
+            .unwrap();
+        assert!(r.processes_kept);
+        assert_eq!(
+            sh(&c, &sbx.id, "cat /root/work/f").await.stdout,
+            "data\nmore\n"
+        );
+        c.delete_sandbox(&sbx.id).await.unwrap();
+        assert!(!data.join("sandboxes").join(&sbx.id).exists());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn snapshot_bad_input_and_unsupported_kinds() {
     let c = shared_client();

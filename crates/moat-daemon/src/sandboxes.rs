@@ -239,6 +239,12 @@ fn agent_config(l: &SandboxLimits, oom_counter: Option<String>) -> AgentConfig {
     }
 }
 
+/// Whether a sandbox is paused with its files only: its processes ended with the host, and a resume
+/// starts it over its files.
+pub fn files_only(rec: &SandboxRecord) -> bool {
+    rec.state == SandboxState::Paused && rec.tier_state.as_ref().is_none_or(|v| v.is_null())
+}
+
 /// Filter of `GET /v1/sandboxes`.
 #[derive(Debug, Default)]
 pub struct ListFilter {
@@ -690,7 +696,7 @@ impl Sandboxes {
             .insert_sandbox(&mut rec, MAX_SLOTS)
             .map_err(|e| ApiError::new(ErrorCode::Conflict, format!("{e:#}")))?;
         let id = rec.id.clone();
-        match self.boot(&rec, &tier, template_rootfs).await {
+        match self.boot(&rec, &tier, template_rootfs, false).await {
             Ok((agent, state)) => {
                 self.agents.write().await.insert(id.clone(), agent);
                 rec.state = SandboxState::Running;
@@ -727,6 +733,7 @@ impl Sandboxes {
         rec: &SandboxRecord,
         tier: &Arc<dyn IsolationTier>,
         template_rootfs: std::path::PathBuf,
+        keep_files: bool,
     ) -> Result<(Arc<AgentClient>, serde_json::Value)> {
         let id = rec.id.clone();
         let layers = rec
@@ -743,6 +750,7 @@ impl Sandboxes {
             limits: rec.limits.clone(),
             slot: rec.slot,
             network: rec.network.clone(),
+            keep_files,
         };
         let config = agent_config(&rec.limits, tier.oom_counter_inside());
         let state = tier.create(&spec).await?;
@@ -1133,6 +1141,8 @@ impl Sandboxes {
     /// no database row owns.
     pub async fn recover(&self) -> Result<()> {
         let mut live = HashSet::new();
+        // Paused sandboxes without processes: files only, not swept.
+        let mut kept_files = HashSet::new();
         for rec in self.db.list_sandboxes()? {
             let Some(tier) = self.tiers.get(&rec.isolation).cloned() else {
                 continue;
@@ -1170,6 +1180,24 @@ impl Sandboxes {
                     continue;
                 }
             }
+            if rec.state == SandboxState::Paused {
+                // Its processes ended with the host (a reboot): keep its files for a resume.
+                match tier.release(&rec.id, rec.tier_state.as_ref()).await {
+                    Ok(()) => {
+                        self.db.set_tier_state(
+                            &rec.id,
+                            SandboxState::Paused,
+                            &serde_json::Value::Null,
+                        )?;
+                        kept_files.insert(rec.id.clone());
+                        tracing::warn!(sandbox = %rec.id, "paused, its processes are gone: kept its files; resume starts it over them");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::error!(sandbox = %rec.id, "keep the files of a paused sandbox: {e:#}")
+                    }
+                }
+            }
             tracing::warn!(sandbox = %rec.id, state = rec.state.as_str(), "not running any more; removing");
             if let Err(e) = self.destroy(rec).await {
                 tracing::error!("{e:#}");
@@ -1191,7 +1219,8 @@ impl Sandboxes {
             tier.restore_network(&policies.remove(isolation).unwrap_or_default())
                 .await
                 .context("restore sandbox networking")?;
-            for name in tier.sweep(&live).await? {
+            let keep: HashSet<String> = live.union(&kept_files).cloned().collect();
+            for name in tier.sweep(&keep).await? {
                 tracing::warn!(leftover = %name, "swept");
             }
         }

@@ -85,6 +85,12 @@ pub fn create_and_mount(image: &Path, size_mb: u64, inodes: u64, target: &Path) 
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
+    mount_image(image, target)
+}
+
+/// Mounts an existing image (made by [`create_and_mount`]) at `target`: a sandbox coming back with
+/// the files it had.
+pub fn mount_image(image: &Path, target: &Path) -> Result<PathBuf> {
     let (dev, _file) = attach(image)?;
     std::fs::create_dir_all(target).with_context(|| format!("mkdir {}", target.display()))?;
     // noinit_itable: the sparse file already reads as zeros, so the kernel need not write the inode

@@ -194,6 +194,11 @@ impl Sandboxes {
         let _op = lock.lock().await;
         // Re-read under the lock: a reset or delete may have changed it.
         let rec = self.record(id)?;
+        if super::files_only(&rec) {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is paused with its files only (its processes ended with the host); resume it first"
+            )));
+        }
         let (SandboxState::Running | SandboxState::Paused, Some(state)) =
             (rec.state, rec.tier_state.as_ref())
         else {
@@ -379,7 +384,7 @@ impl Sandboxes {
             let mut next = rec.clone();
             next.layers = layers.clone();
             next.snapshot = snapshot.clone();
-            self.boot(&next, &tier, rootfs).await
+            self.boot(&next, &tier, rootfs, false).await
         }
         .await;
         match restarted {
@@ -448,6 +453,9 @@ impl Sandboxes {
             )));
         }
         let tier = self.tier(rec.isolation)?;
+        if super::files_only(&rec) {
+            return self.resume_files(rec, tier, timeout).await;
+        }
         let state = rec.tier_state.clone().unwrap_or_default();
         tier.resume(id, &state)
             .await
@@ -460,6 +468,45 @@ impl Sandboxes {
             sandbox: self.get(id)?,
             processes_kept: true,
         })
+    }
+}
+
+impl Sandboxes {
+    /// Resume of a paused sandbox whose processes ended with the host: a new instance over the files
+    /// it had (its writable layer), `processes_kept: false`. When that fails the sandbox stays paused
+    /// with its files.
+    async fn resume_files(
+        &self,
+        rec: SandboxRecord,
+        tier: Arc<dyn IsolationTier>,
+        timeout: u64,
+    ) -> ApiResult<PauseResult> {
+        let id = rec.id.clone();
+        let rootfs = self.templates.ensure(&self.db, &rec.template).await?;
+        self.db.set_state(&id, SandboxState::Starting)?;
+        match self.boot(&rec, &tier, rootfs, true).await {
+            Ok((agent, _state)) => {
+                self.agents.write().await.insert(id.clone(), agent);
+                self.db.set_expiry(&id, now_ms() + 1000 * timeout as i64)?;
+                self.db.touch(&id, now_ms())?;
+                tracing::info!(sandbox = %id, "resumed over its files; its processes were not kept");
+                Ok(PauseResult {
+                    sandbox: self.get(&id)?,
+                    processes_kept: false,
+                })
+            }
+            Err(e) => {
+                let released = tier.release(&id, None).await;
+                self.db
+                    .set_tier_state(&id, SandboxState::Paused, &serde_json::Value::Null)?;
+                if let Err(r) = released {
+                    tracing::error!(sandbox = %id, "after a failed resume: {r:#}");
+                }
+                Err(ApiError::internal(format!(
+                    "resume of {id} over its files failed (it stays paused with them): {e:#}"
+                )))
+            }
+        }
     }
 }
 

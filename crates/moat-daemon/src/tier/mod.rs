@@ -30,6 +30,9 @@ pub struct SandboxSpec {
     pub slot: u32,
     /// Egress policy; None: loopback only.
     pub network: Option<moat_api::NetworkPolicy>,
+    /// Start over the writable layer an earlier instance left ([`IsolationTier::release`]) instead of
+    /// an empty one: a paused sandbox whose processes ended with the host comes back with its files.
+    pub keep_files: bool,
 }
 
 /// What a sandbox uses now.
@@ -114,6 +117,10 @@ pub trait IsolationTier: Send + Sync {
 
     /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
     fn full_snapshot_unsupported(&self) -> Option<String>;
+
+    /// Removes the instance — processes, cgroup, network, mounts — but keeps its writable layer, for
+    /// a later `create` with `keep_files`. Idempotent; works from the id alone.
+    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()>;
 
     /// Kills the sandbox and removes everything it had on the host. Idempotent; works from the id
     /// alone when the state was lost.

@@ -126,12 +126,17 @@ impl ContainerTier {
         }
         let layer = if spec.limits.disk_mb > 0 {
             let started = std::time::Instant::now();
-            diskimage::create_and_mount(
-                &dir.join("disk.img"),
-                spec.limits.disk_mb,
-                spec.limits.disk_inodes,
-                &dir.join("disk"),
-            )?;
+            let image = dir.join("disk.img");
+            if spec.keep_files && image.exists() {
+                diskimage::mount_image(&image, &dir.join("disk"))?;
+            } else {
+                diskimage::create_and_mount(
+                    &image,
+                    spec.limits.disk_mb,
+                    spec.limits.disk_inodes,
+                    &dir.join("disk"),
+                )?;
+            }
             tracing::debug!(sandbox = %spec.id, "disk image ready in {:?}", started.elapsed());
             dir.join("disk")
         } else {
@@ -314,7 +319,32 @@ impl ContainerTier {
         })
     }
 
-    fn destroy_blocking(&self, id: &str, state: Option<ContainerState>) -> Result<()> {
+    /// Everything of the instance but its writable layer (`upper`, `work`, or the disk image holding
+    /// them): see [`IsolationTier::release`].
+    fn release_blocking(&self, id: &str, state: Option<ContainerState>) -> Result<()> {
+        self.stop_instance(id, state)?;
+        let dir = self.dir(id);
+        mount::unmount_tree(&dir)?;
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            return Ok(());
+        };
+        for e in rd.flatten() {
+            let name = e.file_name();
+            if ["upper", "work", "disk.img"].iter().any(|k| name == *k) {
+                continue;
+            }
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                mount::remove_unmounted_tree(&p)?;
+            } else {
+                std::fs::remove_file(&p).with_context(|| format!("remove {}", p.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills the instance's processes and removes its network and cgroup.
+    fn stop_instance(&self, id: &str, state: Option<ContainerState>) -> Result<()> {
         if let Some(s) = &state {
             if proc::is_same_process(s.agent_pid, s.agent_start_ticks) {
                 // Killing PID 1 of a pid namespace kills every process in it.
@@ -332,7 +362,11 @@ impl ContainerTier {
         if let (Some(net), Some(slot)) = (&self.net, state.as_ref().and_then(|s| s.net_slot)) {
             net.detach(slot)?;
         }
-        self.cgroups.remove(id)?;
+        self.cgroups.remove(id)
+    }
+
+    fn destroy_blocking(&self, id: &str, state: Option<ContainerState>) -> Result<()> {
+        self.stop_instance(id, state)?;
         let dir = self.dir(id);
         mount::unmount_tree(&dir)?;
         mount::remove_unmounted_tree(&dir)
@@ -410,8 +444,16 @@ impl IsolationTier for ContainerTier {
             Err(e) => {
                 let this = self.clone_handle();
                 let id = spec.id.clone();
-                let cleanup =
-                    tokio::task::spawn_blocking(move || this.destroy_blocking(&id, None)).await?;
+                // A sandbox coming back over its files keeps them when the start fails.
+                let keep = spec.keep_files;
+                let cleanup = tokio::task::spawn_blocking(move || {
+                    if keep {
+                        this.release_blocking(&id, None)
+                    } else {
+                        this.destroy_blocking(&id, None)
+                    }
+                })
+                .await?;
                 if let Err(c) = cleanup {
                     tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
                 }
@@ -531,6 +573,13 @@ impl IsolationTier for ContainerTier {
         let this = self.clone_handle();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
+    }
+
+    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+        let state = state.and_then(|s| parse_state(s).ok());
+        let this = self.clone_handle();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || this.release_blocking(&id, state)).await?
     }
 
     async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>> {
