@@ -723,6 +723,8 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         &[
             "--default-network",
             r#"{"allow_internet": false, "allow_out": ["good.example"]}"#,
+            "--max-connections-per-sandbox",
+            "4",
         ],
     )
     .await;
@@ -1042,6 +1044,30 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         Some("hello")
     );
     assert_eq!(tls_server_name(&c, &a.id, EVIL, "evil.example").await, None);
+
+    // A sandbox holds at most 4 connections through the proxy here (--max-connections-per-sandbox):
+    // more are reset and logged, so no sandbox exhausts the daemon's file descriptors; they come
+    // back as connections close.
+    sh(
+        &c,
+        &a.id,
+        "for i in 1 2 3 4 5 6; do (sleep 4 | busybox nc 198.51.100.1 9000 >/dev/null 2>&1 &); \
+         done; sleep 1",
+    )
+    .await;
+    let log = log_until(&c, &a.id, |e| e.rule == "connection limit").await;
+    let over = log.iter().filter(|e| e.rule == "connection limit").count();
+    assert!(
+        over <= 2,
+        "{over} connections refused for the limit: {log:#?}"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        get_with_host(&c, &a.id, INTERNET, 8080, "good.example")
+            .await
+            .as_deref(),
+        Some("hello")
+    );
 
     // Bad entries name themselves.
     for (bad, field) in [

@@ -101,6 +101,11 @@ pub struct ServeArgs {
     /// ranges and metadata blocked.
     #[arg(long, env = "MOAT_DEFAULT_NETWORK", value_name = "JSON|@FILE")]
     pub default_network: Option<String>,
+    /// TCP connections one sandbox may hold open through the daemon's egress proxy at once (each
+    /// holds two of the daemon's file descriptors); more are reset and logged.
+    #[arg(long, env = "MOAT_MAX_CONNECTIONS_PER_SANDBOX", default_value_t = 1024,
+          value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub max_connections_per_sandbox: u64,
     /// The audit log keeps at most this many entries (the oldest go first); 0: no cap.
     #[arg(long, env = "MOAT_AUDIT_MAX_ENTRIES", default_value_t = 1_000_000)]
     pub audit_max_entries: u64,

@@ -376,16 +376,20 @@ async fn network_for(
             entries: net.deny_list()?,
         },
         events,
+        host::egress::Limits {
+            connections: args.max_connections_per_sandbox as usize,
+            ..Default::default()
+        },
     );
     tokio::spawn(host::egress::dns::serve_udp(dns_udp, egress.clone()));
     tokio::spawn(host::egress::dns::serve_tcp(dns_tcp, egress.clone()));
     tokio::spawn(host::egress::proxy::serve(proxy, egress.clone()));
     let nflog = host::egress::nflog::open(net.log_group())
         .context("the connection log's NFLOG socket (nfnetlink_log)")?;
-    let (e, rt) = (egress.clone(), tokio::runtime::Handle::current());
+    let e = egress.clone();
     std::thread::Builder::new()
         .name("nflog".into())
-        .spawn(move || host::egress::nflog::read_loop(nflog, e, rt))
+        .spawn(move || host::egress::nflog::read_loop(nflog, e))
         .context("start the NFLOG reader")?;
     tracing::info!(subnet = %args.subnet, uplink = ?uplink, %dns, dns_port, proxy_port, "sandbox networking: NAT, DNS and TCP through the daemon");
     Ok(Some((net, egress)))

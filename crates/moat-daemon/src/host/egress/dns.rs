@@ -119,8 +119,14 @@ async fn answer(egress: &Egress, peer: SocketAddr, bytes: &[u8], tcp: bool) -> O
     };
     let name = moat_api::normalize_name(&q.name().to_utf8());
     let qtype = q.query_type();
-    let verdict = egress.decide(&sp, None, Some(&name));
+    let mut verdict = egress.decide(&sp, None, Some(&name));
     let started = Instant::now();
+    // Questions forwarded at once per sandbox are bounded (each holds a socket of the daemon).
+    let held = egress.hold(peer, super::Kind::Dns);
+    if held.is_none() && verdict.allowed() {
+        verdict.decision = moat_api::NetDecision::Deny;
+        verdict.rule = "dns limit".into();
+    }
     let (out, error) = if !verdict.allowed() {
         (reply(&query, ResponseCode::Refused), None)
     } else if qtype == RecordType::AAAA {

@@ -195,6 +195,65 @@ pub struct Egress {
     source: Arc<dyn PolicySource>,
     deny: RwLock<DenyList>,
     events: mpsc::Sender<Event>,
+    /// Per slot, TCP connections open through the proxy and DNS questions being forwarded: each holds
+    /// file descriptors of the daemon, which a hostile sandbox must not exhaust for everyone.
+    inflight: std::sync::Mutex<std::collections::HashMap<(u32, Kind), usize>>,
+    limits: Limits,
+}
+
+/// What a sandbox holds open in the daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Tcp,
+    Dns,
+}
+
+/// How much of the daemon one sandbox may hold at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// TCP connections open through the proxy, per sandbox.
+    pub connections: usize,
+    /// DNS questions being forwarded upstream, per sandbox.
+    pub dns: usize,
+    /// TCP connections open through the proxy, all sandboxes together (what the daemon's file
+    /// descriptors allow, keeping room for its API and sandboxes).
+    pub total: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        let nofile = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+            .map(|(soft, _)| soft as usize)
+            .unwrap_or(1024);
+        Limits {
+            connections: 1024,
+            dns: 64,
+            // Two descriptors per connection; half of them for everything else.
+            total: (nofile / 4).max(64),
+        }
+    }
+}
+
+/// One unit of a sandbox's share (a connection, a question in flight); returned on drop.
+pub struct Held<'a> {
+    egress: &'a Egress,
+    key: (u32, Kind),
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut m = self
+            .egress
+            .inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.key);
+            }
+        }
+    }
 }
 
 /// How long a name lookup of the daemon's own (for the proxy) may take.
@@ -207,6 +266,7 @@ impl Egress {
         source: Arc<dyn PolicySource>,
         deny: DenyList,
         events: mpsc::Sender<Event>,
+        limits: Limits,
     ) -> Arc<Egress> {
         Arc::new(Egress {
             subnet,
@@ -214,7 +274,45 @@ impl Egress {
             source,
             deny: RwLock::new(deny),
             events,
+            inflight: Default::default(),
+            limits,
         })
+    }
+
+    /// Takes one unit of a sandbox's share of `kind`, or None when it holds its limit already.
+    pub fn hold(&self, peer: SocketAddr, kind: Kind) -> Option<Held<'_>> {
+        let SocketAddr::V4(p) = peer else {
+            return None;
+        };
+        let slot = self.slot_of(*p.ip())?;
+        let max = match kind {
+            Kind::Tcp => self.limits.connections,
+            Kind::Dns => self.limits.dns,
+        };
+        let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        if kind == Kind::Tcp
+            && m.iter()
+                .filter(|(k, _)| k.1 == Kind::Tcp)
+                .map(|(_, n)| n)
+                .sum::<usize>()
+                >= self.limits.total
+        {
+            return None;
+        }
+        let n = m.entry((slot, kind)).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Held {
+            egress: self,
+            key: (slot, kind),
+        })
+    }
+
+    /// Sends an event without waiting; false when the log's queue is full (the event is dropped).
+    pub fn try_log(&self, e: Event) -> bool {
+        self.events.try_send(e).is_ok()
     }
 
     pub fn set_deny_list(&self, deny: DenyList) {
@@ -470,8 +568,29 @@ mod tests {
             Arc::new(None_),
             DenyList::default(),
             tx,
+            Limits {
+                connections: 2,
+                dns: 1,
+                total: 3,
+            },
         );
         assert_eq!(e.slot_of("10.200.0.2".parse().unwrap()), Some(0));
+        // Each sandbox's share of the daemon is bounded and comes back when released.
+        let a: SocketAddr = "10.200.0.2:1000".parse().unwrap();
+        let b: SocketAddr = "10.200.0.6:1000".parse().unwrap();
+        let (h1, h2) = (e.hold(a, Kind::Tcp), e.hold(a, Kind::Tcp));
+        assert!(h1.is_some() && h2.is_some());
+        assert!(e.hold(a, Kind::Tcp).is_none());
+        let hb = e.hold(b, Kind::Tcp);
+        assert!(hb.is_some(), "another sandbox has its own share");
+        // ... within the daemon's total.
+        assert!(e.hold(b, Kind::Tcp).is_none());
+        assert!(e.hold(a, Kind::Dns).is_some());
+        drop(hb);
+        drop(h1);
+        assert!(e.hold(a, Kind::Tcp).is_some());
+        drop(h2);
+        assert!(e.inflight.lock().unwrap().is_empty());
         assert_eq!(e.slot_of("10.200.1.6".parse().unwrap()), Some(65));
         // Gateways, network and broadcast addresses, and addresses outside the subnet are nobody's.
         for other in ["10.200.0.1", "10.200.0.3", "10.201.0.2", "10.199.255.254"] {

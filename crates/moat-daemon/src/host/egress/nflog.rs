@@ -175,8 +175,11 @@ pub fn decision(prefix: &str) -> Option<(NetDecision, String)> {
 }
 
 /// Reads logged packets until the socket fails; runs on a thread of its own.
-pub fn read_loop(fd: OwnedFd, egress: Arc<Egress>, rt: tokio::runtime::Handle) {
+pub fn read_loop(fd: OwnedFd, egress: Arc<Egress>) {
     let mut buf = vec![0u8; 64 * 1024];
+    // A sandbox sending UDP to many destinations makes many entries: when the log's queue is full
+    // they are dropped (and counted) rather than piling up in memory.
+    let mut dropped = 0u64;
     loop {
         let n = match recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()) {
             Ok(n) => n,
@@ -216,8 +219,12 @@ pub fn read_loop(fd: OwnedFd, egress: Arc<Egress>, rt: tokio::runtime::Handle) {
                 duration_ms: 0,
                 error: None,
             };
-            let e = egress.clone();
-            rt.spawn(async move { e.log(ev).await });
+            if !egress.try_log(ev) {
+                dropped += 1;
+                if dropped.is_power_of_two() {
+                    tracing::warn!(dropped, "connection log: queue full, NFLOG entries dropped");
+                }
+            }
         }
     }
 }

@@ -46,9 +46,36 @@ pub async fn serve(listener: TcpListener, egress: Arc<Egress>) {
                 reset(conn);
                 return;
             };
+            let Some(_held) = egress.hold(peer, super::Kind::Tcp) else {
+                reset(conn);
+                refused_over_limit(&egress, sp, orig).await;
+                return;
+            };
             handle(&egress, sp, conn, orig).await;
         });
     }
+}
+
+/// Logs a connection refused because the sandbox holds its limit of open connections already.
+async fn refused_over_limit(egress: &Egress, sp: SlotPolicy, orig: SocketAddrV4) {
+    egress
+        .log(Event {
+            at_ms: now_ms(),
+            sandbox_id: sp.sandbox_id,
+            template: sp.template,
+            protocol: "tcp",
+            dst: Some(orig),
+            name: None,
+            name_source: None,
+            decision: NetDecision::Deny,
+            rule: "connection limit".into(),
+            dialed: None,
+            bytes_out: 0,
+            bytes_in: 0,
+            duration_ms: 0,
+            error: None,
+        })
+        .await;
 }
 
 /// The address the sandbox dialed, before nftables redirected it here.
