@@ -374,25 +374,22 @@ async fn on_timeout_pause_pauses_instead_of_killing() {
     c.delete_sandbox(&sbx.id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
-    let tmp = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(tmp.path());
-    let d = Daemon::start(&tmp.path().join("data"));
-    let c = d.client();
-    register_bb(&c, &rootfs).await;
+/// A `bb` sandbox that ran `setup`, then paused while a counter ran in the background.
+async fn paused_counting_sandbox(
+    c: &Client,
+    disk_mb: Option<u64>,
+    setup: &str,
+) -> moat_api::Sandbox {
     let sbx = c
         .create_sandbox(&CreateSandboxRequest {
             template: Some("bb".into()),
             timeout: Some(600),
+            disk_mb,
             ..Default::default()
         })
         .await
         .unwrap();
-    assert_eq!(
-        sh(&c, &sbx.id, "echo data > /root/f").await.exit.exit_code,
-        Some(0)
-    );
+    assert_eq!(sh(c, &sbx.id, setup).await.exit.exit_code, Some(0));
     c.start_process_background(
         &sbx.id,
         &StartProcessRequest {
@@ -405,6 +402,17 @@ async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
     .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     c.pause_sandbox(&sbx.id).await.unwrap();
+    sbx
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn paused_sandbox_keeps_files_and_processes_across_a_daemon_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let d = Daemon::start(&tmp.path().join("data"));
+    let c = d.client();
+    register_bb(&c, &rootfs).await;
+    let sbx = paused_counting_sandbox(&c, None, "echo data > /root/f").await;
 
     d.kill9();
     d.restart();
@@ -476,38 +484,12 @@ async fn paused_sandbox_resumes_with_its_files_after_a_host_reboot() {
     let c = d.client();
     register_bb(&c, &rootfs).await;
     for disk_mb in [Some(64), Some(0)] {
-        let sbx = c
-            .create_sandbox(&CreateSandboxRequest {
-                template: Some("bb".into()),
-                timeout: Some(600),
-                disk_mb,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        assert_eq!(
-            sh(
-                &c,
-                &sbx.id,
-                "mkdir -p /root/work && echo data > /root/work/f && rm /bin/true"
-            )
-            .await
-            .exit
-            .exit_code,
-            Some(0)
-        );
-        c.start_process_background(
-            &sbx.id,
-            &StartProcessRequest {
-                command: Some(COUNTER.into()),
-                background: true,
-                ..Default::default()
-            },
+        let sbx = paused_counting_sandbox(
+            &c,
+            disk_mb,
+            "mkdir -p /root/work && echo data > /root/work/f && rm /bin/true",
         )
-        .await
-        .unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        c.pause_sandbox(&sbx.id).await.unwrap();
+        .await;
 
         d.stop();
         simulate_reboot_of(&data, &sbx.id);
