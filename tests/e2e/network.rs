@@ -209,7 +209,16 @@ impl Topology {
         for _ in 0..200 {
             let out = Command::new("nsenter")
                 .arg(format!("--net=/run/netns/{host}"))
-                .args(["busybox", "nslookup", "-type=a", "test.example", INTERNET])
+                .args([
+                    "busybox",
+                    "timeout",
+                    "2",
+                    "busybox",
+                    "nslookup",
+                    "-type=a",
+                    "test.example",
+                    INTERNET,
+                ])
                 .output()
                 .unwrap();
             last = format!(

@@ -113,6 +113,11 @@ fn entries(list: &[String]) -> impl Iterator<Item = (usize, Destination)> + '_ {
         .filter_map(|(i, e)| parse_destination(e).ok().map(|d| (i, d)))
 }
 
+/// Whether an address or CIDR entry of the policy's `allow_out` contains `ip`.
+pub fn allowed_by_cidr(policy: &NetworkPolicy, ip: Ipv4Addr) -> bool {
+    entries(&policy.allow_out).any(|(_, d)| d.contains(ip))
+}
+
 /// Decides a connection to `ip` (None for a DNS query) carrying `name` (SNI, Host or the DNS
 /// question; None when there is none). First match wins:
 /// 0. always blocked (never-reached addresses, the daemon-wide deny list) → deny, in every mode;
@@ -352,7 +357,7 @@ impl Egress {
         if self.deny_list().has_ip(ip) {
             return Some("deny list");
         }
-        if private(ip) && !entries(&policy.allow_out).any(|(_, d)| d.contains(ip)) {
+        if private(ip) && !allowed_by_cidr(policy, ip) {
             return Some("private range");
         }
         None

@@ -266,7 +266,12 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
         duration_ms: 0,
         error: None,
     };
-    let names_matter = sp.policy.has_names() || egress.deny_list().has_names();
+    // The name can change the decision only when there are name rules, and not when an allow_out
+    // CIDR already allows the address (allow beats deny) unless the deny list has names (which beat
+    // everything): then no need to wait for the client's first bytes.
+    let deny_names = egress.deny_list().has_names();
+    let names_matter =
+        deny_names || (sp.policy.has_names() && !super::allowed_by_cidr(&sp.policy, *orig.ip()));
     let (mut head, mut name) = if names_matter {
         peek(&mut conn).await
     } else {
