@@ -106,25 +106,40 @@ impl Topology {
                 &www,
             ],
         ));
-        t.servers.push(spawn(
-            &internet,
-            &[
-                "dnsmasq",
-                "--keep-in-foreground",
-                "--no-resolv",
-                "--no-hosts",
-                "--conf-file=/dev/null",
-                "--user=root",
-                "--listen-address=198.51.100.1",
-                "--bind-interfaces",
-                "--address=/test.example/198.51.100.1",
-                "--address=/good.example/198.51.100.1",
-                "--address=/also.example/198.51.100.1",
-                "--address=/evil.example/198.51.100.3",
-                // A public name that points inside (DNS rebinding): the proxy must refuse it.
-                "--address=/inside.example/10.99.0.1",
-            ],
-        ));
+        let dnsmasq_log = dir.join("dnsmasq.log");
+        let start_dnsmasq = || -> Child {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&dnsmasq_log)
+                .unwrap();
+            Command::new("ip")
+                .args(["netns", "exec", &internet])
+                .args([
+                    "dnsmasq",
+                    "--keep-in-foreground",
+                    "--no-resolv",
+                    "--no-hosts",
+                    "--conf-file=/dev/null",
+                    // No pid file: several tests run their own dnsmasq at once.
+                    "--pid-file=",
+                    "--user=root",
+                    "--listen-address=198.51.100.1",
+                    "--bind-interfaces",
+                    "--address=/test.example/198.51.100.1",
+                    "--address=/good.example/198.51.100.1",
+                    "--address=/also.example/198.51.100.1",
+                    "--address=/evil.example/198.51.100.3",
+                    // A public name that points inside (DNS rebinding): the proxy must refuse it.
+                    "--address=/inside.example/10.99.0.1",
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start dnsmasq")
+        };
+        t.servers.push(start_dnsmasq());
         // HTTPS: good.example and also.example on one address (the certificate chosen by SNI),
         // evil.example on another; each certificate names only its own host.
         let certs = dir.join("certs");
@@ -230,9 +245,16 @@ impl Topology {
                 dns_up = true;
                 break;
             }
+            // dnsmasq has been seen to exit at start while other tests start theirs: start it again.
+            if matches!(t.servers[1].try_wait(), Ok(Some(_))) {
+                t.servers[1] = start_dnsmasq();
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
-        let dnsmasq = t.servers[1].try_wait();
+        let dnsmasq = (
+            t.servers[1].try_wait(),
+            std::fs::read_to_string(&dnsmasq_log).unwrap_or_default(),
+        );
         assert!(
             dns_up,
             "the test's DNS server did not come up (dnsmasq: {dnsmasq:?}); last answer: {last}"
