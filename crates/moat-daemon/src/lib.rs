@@ -50,7 +50,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
-    sandboxes::default_network(&args)?;
+    let default_network = sandboxes::default_network(&args)?;
     let audit = audit::Audit::start(db.clone());
     let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone());
     let network = network_for(&args, db.clone(), events).await?;
@@ -80,6 +80,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         templates,
         Arc::new(layers::LayerStore::new(args.data_dir.join("layers"))?),
         tiers,
+        default_network,
     ));
     sandboxes.recover().await.context("recover sandboxes")?;
     tokio::spawn(

@@ -259,9 +259,8 @@ impl Sandboxes {
         templates: Arc<TemplateStore>,
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
+        default_network: moat_api::NetworkPolicy,
     ) -> Sandboxes {
-        // Checked by `serve` before it gets here.
-        let default_network = default_network(&args).unwrap_or_default();
         let host_cpus = std::thread::available_parallelism()
             .map(|n| n.get() as f64)
             .unwrap_or(1.0);

@@ -15,7 +15,7 @@ use hickory_proto::rr::{Name, RData, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use super::{now_ms, Egress, Event};
+use super::{Egress, Event};
 
 /// How long the upstream resolver may take to answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(4);
@@ -142,20 +142,13 @@ async fn answer(egress: &Egress, peer: SocketAddr, bytes: &[u8], tcp: bool) -> O
     };
     egress
         .log(Event {
-            at_ms: now_ms(),
-            sandbox_id: sp.sandbox_id,
-            template: sp.template,
-            protocol: "dns",
-            dst: None,
             name: Some(name),
             name_source: Some(format!("dns:{qtype}")),
-            decision: verdict.decision,
-            rule: verdict.rule,
-            dialed: None,
             bytes_out: bytes.len() as u64,
             bytes_in: out.as_ref().map_or(0, |o| o.len() as u64),
             duration_ms: started.elapsed().as_millis() as u64,
             error,
+            ..Event::new(&sp, "dns", None, verdict.decision, verdict.rule)
         })
         .await;
     out

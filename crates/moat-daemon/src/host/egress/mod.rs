@@ -53,6 +53,34 @@ pub struct Event {
     pub error: Option<String>,
 }
 
+impl Event {
+    /// An attempt of `sp`'s sandbox, now, decided by `rule`; nothing sent or received yet.
+    pub fn new(
+        sp: &SlotPolicy,
+        protocol: &'static str,
+        dst: Option<SocketAddrV4>,
+        decision: NetDecision,
+        rule: impl Into<String>,
+    ) -> Event {
+        Event {
+            at_ms: now_ms(),
+            sandbox_id: sp.sandbox_id.clone(),
+            template: sp.template.clone(),
+            protocol,
+            dst,
+            name: None,
+            name_source: None,
+            decision,
+            rule: rule.into(),
+            dialed: None,
+            bytes_out: 0,
+            bytes_in: 0,
+            duration_ms: 0,
+            error: None,
+        }
+    }
+}
+
 /// What [`Egress::decide`] concluded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
@@ -87,6 +115,13 @@ impl DenyList {
     }
 }
 
+/// The never-reached and private ranges of host/net.rs, parsed once (they are checked at every
+/// connection and question).
+static NEVER_NETS: std::sync::LazyLock<Vec<Destination>> =
+    std::sync::LazyLock::new(|| parse_all(NEVER));
+static PRIVATE_NETS: std::sync::LazyLock<Vec<Destination>> =
+    std::sync::LazyLock::new(|| parse_all(PRIVATE));
+
 fn parse_all(list: &[&str]) -> Vec<Destination> {
     list.iter()
         .filter_map(|s| parse_destination(s).ok())
@@ -96,13 +131,13 @@ fn parse_all(list: &[&str]) -> Vec<Destination> {
 /// Whether the address is one no sandbox ever reaches (whatever the policy): "this" network, loopback,
 /// link-local (cloud metadata), multicast and reserved, the sandbox subnet.
 pub fn never(ip: Ipv4Addr, subnet: (Ipv4Addr, u8)) -> bool {
-    parse_all(NEVER).iter().any(|d| d.contains(ip))
+    NEVER_NETS.iter().any(|d| d.contains(ip))
         || Destination::Cidr(subnet.0, subnet.1).contains(ip)
         || ip.is_broadcast()
 }
 
 pub fn private(ip: Ipv4Addr) -> bool {
-    parse_all(PRIVATE).iter().any(|d| d.contains(ip))
+    PRIVATE_NETS.iter().any(|d| d.contains(ip))
 }
 
 /// The policy's entries, parsed (entries were checked when the policy was set; a bad one matches
@@ -198,7 +233,8 @@ pub struct Egress {
     subnet: (Ipv4Addr, u8),
     upstream: SocketAddr,
     source: Arc<dyn PolicySource>,
-    deny: RwLock<DenyList>,
+    /// Swapped whole on reload; readers take the `Arc` (a threat feed may be large: never copied).
+    deny: RwLock<Arc<DenyList>>,
     events: mpsc::Sender<Event>,
     /// Per slot, TCP connections open through the proxy and DNS questions being forwarded: each holds
     /// file descriptors of the daemon, which a hostile sandbox must not exhaust for everyone.
@@ -277,7 +313,7 @@ impl Egress {
             subnet,
             upstream,
             source,
-            deny: RwLock::new(deny),
+            deny: RwLock::new(Arc::new(deny)),
             events,
             inflight: Default::default(),
             limits,
@@ -321,10 +357,10 @@ impl Egress {
     }
 
     pub fn set_deny_list(&self, deny: DenyList) {
-        *self.deny.write().unwrap_or_else(|e| e.into_inner()) = deny;
+        *self.deny.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(deny);
     }
 
-    fn deny_list(&self) -> DenyList {
+    fn deny_list(&self) -> Arc<DenyList> {
         self.deny.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 

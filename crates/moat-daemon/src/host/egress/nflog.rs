@@ -15,7 +15,7 @@ use nix::sys::socket::{
     SockType,
 };
 
-use super::{now_ms, Egress, Event};
+use super::{Egress, Event};
 
 const NFNL_SUBSYS_ULOG: u16 = 4;
 const NFULNL_MSG_PACKET: u16 = 0;
@@ -203,22 +203,7 @@ pub fn read_loop(fd: OwnedFd, egress: Arc<Egress>) {
             let Some(sp) = egress.sandbox(SocketAddr::V4(SocketAddrV4::new(src, 0))) else {
                 continue;
             };
-            let ev = Event {
-                at_ms: now_ms(),
-                sandbox_id: sp.sandbox_id,
-                template: sp.template,
-                protocol,
-                dst: Some(dst),
-                name: None,
-                name_source: None,
-                decision,
-                rule,
-                dialed: None,
-                bytes_out: 0,
-                bytes_in: 0,
-                duration_ms: 0,
-                error: None,
-            };
+            let ev = Event::new(&sp, protocol, Some(dst), decision, rule);
             if !egress.try_log(ev) {
                 dropped += 1;
                 if dropped.is_power_of_two() {

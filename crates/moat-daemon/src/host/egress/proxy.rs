@@ -14,7 +14,7 @@ use moat_api::NetDecision;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{now_ms, Egress, Event, SlotPolicy};
+use super::{Egress, Event, SlotPolicy};
 
 /// How long the proxy waits for the client's first bytes when a name decides (a client that sends
 /// nothing first, e.g. a server-speaks-first protocol, is decided by address after it).
@@ -59,22 +59,13 @@ pub async fn serve(listener: TcpListener, egress: Arc<Egress>) {
 /// Logs a connection refused because the sandbox holds its limit of open connections already.
 async fn refused_over_limit(egress: &Egress, sp: SlotPolicy, orig: SocketAddrV4) {
     egress
-        .log(Event {
-            at_ms: now_ms(),
-            sandbox_id: sp.sandbox_id,
-            template: sp.template,
-            protocol: "tcp",
-            dst: Some(orig),
-            name: None,
-            name_source: None,
-            decision: NetDecision::Deny,
-            rule: "connection limit".into(),
-            dialed: None,
-            bytes_out: 0,
-            bytes_in: 0,
-            duration_ms: 0,
-            error: None,
-        })
+        .log(Event::new(
+            &sp,
+            "tcp",
+            Some(orig),
+            NetDecision::Deny,
+            "connection limit",
+        ))
         .await;
 }
 
@@ -250,22 +241,7 @@ async fn peek(conn: &mut TcpStream) -> (Vec<u8>, Option<(String, &'static str)>)
 
 async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: SocketAddrV4) {
     let started = Instant::now();
-    let mut ev = Event {
-        at_ms: now_ms(),
-        sandbox_id: sp.sandbox_id.clone(),
-        template: sp.template.clone(),
-        protocol: "tcp",
-        dst: Some(orig),
-        name: None,
-        name_source: None,
-        decision: NetDecision::Deny,
-        rule: String::new(),
-        dialed: None,
-        bytes_out: 0,
-        bytes_in: 0,
-        duration_ms: 0,
-        error: None,
-    };
+    let mut ev = Event::new(&sp, "tcp", Some(orig), NetDecision::Deny, "");
     // The name can change the decision only when there are name rules, and not when an allow_out
     // CIDR already allows the address (allow beats deny) unless the deny list has names (which beat
     // everything): then no need to wait for the client's first bytes.
