@@ -24,8 +24,19 @@ pub async fn create(
     template: &str,
     cleanup: &Cleanup,
 ) -> Result<moat_api::Sandbox> {
+    create_on(client, template, None, cleanup).await
+}
+
+/// [`create`] on a given isolation tier (None: the daemon's default).
+pub async fn create_on(
+    client: &Client,
+    template: &str,
+    isolation: Option<moat_api::Isolation>,
+    cleanup: &Cleanup,
+) -> Result<moat_api::Sandbox> {
     let req = CreateSandboxRequest {
         template: Some(template.into()),
+        isolation,
         timeout: Some(900),
         metadata: BTreeMap::from([(LABEL.to_string(), "1".to_string())]),
         ..Default::default()

@@ -1,6 +1,6 @@
 //! The escape suite: attacks as data (`tests/escape/cases.json`), run here against real sandboxes of the
 //! `base` template. The test fails listing every case that did not hold, and writes
-//! `docs/escape-report.md`. Skipped and not-yet-applicable (`tier_todo`) cases are reported as such and
+//! `docs/escape-report.md` (`docs/escape-report-<tier>.md` for the other tiers). Skipped and not-yet-applicable (`tier_todo`) cases are reported as such and
 //! never count as passed.
 
 use std::collections::BTreeMap;
@@ -17,7 +17,6 @@ use crate::harness::*;
 const CASES: &str = include_str!("../escape/cases.json");
 /// Sandboxes that share the ordinary cases (the machine has 2 cores).
 const WORKERS: usize = 3;
-const TIER: &str = "container";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -342,9 +341,10 @@ fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, u
         };
         let _ = writeln!(
             rows,
-            "| `{}` | {} | {TIER} | {result} | {} |",
+            "| `{}` | {} | {} | {result} | {} |",
             case.id,
             case.category,
+            isolation().as_str(),
             one_line(&observed, 140)
         );
     }
@@ -358,8 +358,9 @@ fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, u
     );
     let _ = writeln!(
         md,
-        "Tier `{TIER}`: {} cases, **{held} held, {failed} failed, {skipped} skipped** (skipped cases \
+        "Tier `{}`: {} cases, **{held} held, {failed} failed, {skipped} skipped** (skipped cases \
          are not counted as passed).\n",
+        isolation().as_str(),
         suite.cases.len()
     );
     let _ = writeln!(md, "| case | category | tier | result | observed |");
@@ -369,7 +370,13 @@ fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, u
     for case in &suite.cases {
         let _ = writeln!(md, "- `{}`: {}", case.id, case.source);
     }
-    std::fs::write(workspace_root().join("docs/escape-report.md"), md).unwrap();
+    // One report per tier: docs/escape-report.md (container), docs/escape-report-gvisor.md, ...
+    let name = if is_container() {
+        "escape-report.md".to_string()
+    } else {
+        format!("escape-report-{}.md", isolation().as_str())
+    };
+    std::fs::write(workspace_root().join("docs").join(name), md).unwrap();
     (held, failed, skipped)
 }
 

@@ -36,6 +36,31 @@ pub fn agent_path() -> PathBuf {
     p
 }
 
+/// The isolation tier every daemon of this run gives sandboxes created without one
+/// (`MOAT_E2E_ISOLATION`: container, the default, or gvisor): scripts/test.sh runs the suite once per
+/// tier, so every test runs on every tier that works on the host.
+pub fn isolation() -> moat_api::Isolation {
+    static TIER: OnceLock<moat_api::Isolation> = OnceLock::new();
+    *TIER.get_or_init(|| match std::env::var("MOAT_E2E_ISOLATION") {
+        Ok(v) if !v.is_empty() => v.parse().expect("MOAT_E2E_ISOLATION"),
+        _ => moat_api::Isolation::Container,
+    })
+}
+
+/// Whether this run's sandboxes are containers (host processes with a uid range of their own).
+pub fn is_container() -> bool {
+    isolation() == moat_api::Isolation::Container
+}
+
+/// A sandbox's directory in the data dir (each tier has its own).
+pub fn sandbox_dir(data_dir: &Path, id: &str) -> PathBuf {
+    let tier = match isolation() {
+        moat_api::Isolation::Gvisor => "gvisor",
+        _ => "sandboxes",
+    };
+    data_dir.join(tier).join(id)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -143,6 +168,7 @@ impl Daemon {
         .arg(agent_path())
         .arg("--unix-socket")
         .arg(self.data_dir.join("api.sock"))
+        .args(["--default-isolation", isolation().as_str()])
         .args(&self.extra_args)
         // No sandbox traffic leaves this machine in a test: networking only where a test passes
         // --network itself (inside namespaces it made, tests/e2e/network.rs).
@@ -400,7 +426,7 @@ pub fn assert_no_leaks(facts: &HostFacts, data_dir: &Path) {
     );
     let left = cgroup_dirs(&facts.id);
     assert!(left.is_empty(), "cgroups left: {left:?}");
-    let dir = data_dir.join("sandboxes").join(&facts.id);
+    let dir = sandbox_dir(data_dir, &facts.id);
     assert!(!dir.exists(), "{} left", dir.display());
     // An agent re-parented to the host's init (after a daemon restart) is reaped by init, which may
     // take a moment: give namespaces held by such zombies a few seconds to go.
@@ -527,7 +553,8 @@ fn namespace_holders(facts: &HostFacts) -> Option<String> {
             let as_sandbox_uid = uid_line
                 .split_whitespace()
                 .any(|u| u == facts.host_uid.to_string());
-            if !zombie && as_sandbox_uid {
+            // Only a container sandbox has host ids of its own (gVisor's run as runsc's).
+            if !zombie && as_sandbox_uid && is_container() {
                 return Some(format!(
                     "process {pid} still runs as the sandbox's host uid {}",
                     facts.host_uid

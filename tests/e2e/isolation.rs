@@ -101,7 +101,7 @@ async fn sandbox_is_isolated_from_host() {
     let template_etc = d.data_dir.join("templates/base/rootfs/etc").join(&inside);
     assert!(!template_etc.exists(), "write leaked into the template");
     // The writable layer is `disk/upper` on the sandbox's disk image, or `upper` without a disk quota.
-    let dir = d.data_dir.join("sandboxes").join(&s.id);
+    let dir = sandbox_dir(&d.data_dir, &s.id);
     let layer = if dir.join("disk/upper").is_dir() {
         dir.join("disk/upper")
     } else {

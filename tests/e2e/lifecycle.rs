@@ -102,7 +102,7 @@ async fn timeout_kills_and_cleans_up() {
     sh(&c, &s.id, "sleep 1000 > /dev/null 2>&1 &").await;
     let facts = host_facts(&s.id);
     let gone = eventually(Duration::from_secs(15), || {
-        !d.data_dir.join("sandboxes").join(&s.id).exists()
+        !sandbox_dir(&d.data_dir, &s.id).exists()
     })
     .await;
     assert!(gone, "sandbox still there after its timeout");
@@ -154,7 +154,7 @@ async fn sandbox_whose_pid1_dies_is_removed() {
     )
     .unwrap();
     let gone = eventually(Duration::from_secs(15), || {
-        !d.data_dir.join("sandboxes").join(&s.id).exists()
+        !sandbox_dir(&d.data_dir, &s.id).exists()
     })
     .await;
     assert!(gone, "sandbox with a dead PID 1 was not removed");

@@ -529,10 +529,22 @@ async fn egress_policy_in_a_test_made_network() {
     )
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(fetch(&c, &b.id, "http://127.0.0.1:8000/passwd")
-        .await
-        .is_some());
+    // The server is up once its own loopback answers (a gVisor sandbox takes longer to start it).
+    let mut served = false;
+    for _ in 0..50 {
+        if fetch(&c, &b.id, "http://127.0.0.1:8000/passwd")
+            .await
+            .is_some()
+        {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        served,
+        "sandbox b's server does not answer on its own loopback"
+    );
     let b_ip = b.network.clone().unwrap().ip;
     assert_eq!(
         fetch(&c, &a.id, &format!("http://{b_ip}:8000/passwd")).await,
@@ -737,7 +749,12 @@ async fn network_flags_refused_without_networking() {
         Some(ErrorCode::Conflict)
     );
     // Loopback only.
-    let out = sh(&c, &s.id, "ls /sys/class/net").await;
+    let out = sh(
+        &c,
+        &s.id,
+        "sed -n '3,$p' /proc/net/dev | cut -d: -f1 | tr -d ' '",
+    )
+    .await;
     assert_eq!(out.stdout.trim(), "lo", "{out:?}");
     c.delete_sandbox(&s.id).await.unwrap();
 }

@@ -93,7 +93,7 @@ async fn creates_are_served_from_the_warm_pool() {
     // A clean stop takes the pooled sandboxes (nobody's yet) with it, and the daemon's empty cgroup
     // parent; the next start refills the pool.
     d.stop();
-    let left: Vec<_> = std::fs::read_dir(d.data_dir.join("sandboxes"))
+    let left: Vec<_> = std::fs::read_dir(sandbox_dir(&d.data_dir, ""))
         .unwrap()
         .flatten()
         .map(|e| e.path())
@@ -125,7 +125,7 @@ async fn creates_are_served_from_the_warm_pool() {
     assert_eq!(pool_ready(&c).await, 0);
     d.stop();
     assert!(
-        std::fs::read_dir(d.data_dir.join("sandboxes"))
+        std::fs::read_dir(sandbox_dir(&d.data_dir, ""))
             .unwrap()
             .next()
             .is_none(),

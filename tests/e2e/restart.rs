@@ -93,7 +93,7 @@ async fn sandboxes_survive_daemon_kill9() {
     // Timeouts still fire after the restart.
     c.set_timeout(&short.id, 1).await.unwrap();
     let gone = eventually(Duration::from_secs(15), || {
-        !d.data_dir.join("sandboxes").join(&short.id).exists()
+        !sandbox_dir(&d.data_dir, &short.id).exists()
     })
     .await;
     assert!(gone, "timeout did not fire after restart");
@@ -109,10 +109,7 @@ async fn sandboxes_survive_daemon_kill9() {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
-    let orphan = d
-        .data_dir
-        .join("sandboxes")
-        .join("sbx_orphanorphanorphanorphanor");
+    let orphan = sandbox_dir(&d.data_dir, "sbx_orphanorphanorphanorphanor");
     std::fs::create_dir_all(orphan.join("upper")).unwrap();
     let parent = moat_daemon::host::cgroup::parent_for(&d.data_dir);
     let orphan_cgroup = std::path::Path::new("/sys/fs/cgroup/pids")

@@ -7,6 +7,7 @@ pub mod cold;
 pub mod density;
 pub mod exec;
 pub mod files;
+pub mod gvisor;
 pub mod hardening;
 pub mod network;
 pub mod saturation;
@@ -156,7 +157,7 @@ impl Peer {
 }
 
 /// The scenarios' names for `--only`, in the order they run.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "cold",
     "burst",
     "exec",
@@ -166,6 +167,7 @@ pub const NAMES: [&str; 9] = [
     "saturation",
     "hardening",
     "network",
+    "gvisor",
 ];
 
 /// Everything a scenario needs.
@@ -253,6 +255,7 @@ pub async fn run_all(ctx: &Ctx<'_>, only: &[String]) -> Vec<Section> {
     scenario!(saturation);
     scenario!(hardening);
     scenario!(network);
+    scenario!(gvisor);
     out
 }
 

@@ -18,7 +18,8 @@ use std::collections::BTreeMap;
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
-const USAGE: &str = "usage: moat-agent (--listen-fd N | --listen PATH) [--output-buffer-bytes N]";
+const USAGE: &str =
+    "usage: moat-agent (--listen-fd N | --listen PATH) [--output-buffer-bytes N] | moat-agent --sync";
 
 #[derive(Debug, PartialEq)]
 enum Listen {
@@ -80,6 +81,13 @@ fn open_listener(listen: &Listen) -> Result<std::os::unix::net::UnixListener, St
 }
 
 fn main() {
+    // `moat-agent --sync`: flush the sandbox's file caches to its root filesystem and exit (the gvisor
+    // tier runs it before it copies the sandbox's writable layer, as gVisor may cache writes).
+    if std::env::args().nth(1).as_deref() == Some("--sync") {
+        // SAFETY: sync(2) takes no arguments and cannot fail.
+        unsafe { libc::sync() };
+        return;
+    }
     let opts = match parse_args(std::env::args().skip(1)) {
         Ok(o) => o,
         Err(msg) => {

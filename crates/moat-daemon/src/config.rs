@@ -24,6 +24,10 @@ pub struct ServeArgs {
     /// Template used when create names none.
     #[arg(long, env = "MOAT_DEFAULT_TEMPLATE", default_value = "base")]
     pub default_template: String,
+    /// Isolation tier of sandboxes created without one (container, gvisor, microvm); the warm pool
+    /// holds sandboxes of this tier.
+    #[arg(long, env = "MOAT_DEFAULT_ISOLATION", default_value = "container")]
+    pub default_isolation: moat_api::Isolation,
     /// Static agent binary bind-mounted into sandboxes; found next to the `moat` binary or in
     /// /usr/local/lib/moat when absent.
     #[arg(long, env = "MOAT_AGENT")]

@@ -60,7 +60,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let network = network.map(|n| n.0);
     let container = tier::container::ContainerTier::new(
         args.data_dir.join("sandboxes"),
-        agent,
+        agent.clone(),
         args.uid_base,
         &host::cgroup::parent_for(&args.data_dir),
         !args.no_hardening,
@@ -73,7 +73,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
              use it only to measure what hardening costs"
         );
     }
-    let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container)];
+    let gvisor = tier::gvisor::GvisorTier::new(
+        args.data_dir.join("gvisor"),
+        agent,
+        cgroups.clone(),
+        network.clone(),
+    )?;
+    let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container), Arc::new(gvisor)];
     let sandboxes = Arc::new(sandboxes::Sandboxes::new(
         args.clone(),
         db.clone(),

@@ -541,8 +541,19 @@ impl Sandboxes {
             .as_ref()
             .map(|s| s.isolation)
             .or(req.isolation)
-            .unwrap_or_default();
+            .unwrap_or(self.args.default_isolation);
         let tier = self.tier(isolation)?;
+        let info = tier.info();
+        if !info.available {
+            return Err(ApiError::invalid(
+                "isolation",
+                format!(
+                    "isolation {} is not available on this host: {}",
+                    isolation.as_str(),
+                    info.note.unwrap_or_default()
+                ),
+            ));
+        }
         let template = match (&snapshot, &req.template) {
             (Some(s), _) => s.template.clone(),
             (None, Some(t)) => t.clone(),
@@ -628,7 +639,7 @@ impl Sandboxes {
     fn pool_serves(&self, template: &str, isolation: Isolation) -> bool {
         self.args.pool_size > 0
             && template == self.args.default_template
-            && isolation == Isolation::Container
+            && isolation == self.args.default_isolation
     }
 
     /// Takes a sandbox from the warm pool and gives it the creator's limits and environment.
@@ -791,14 +802,14 @@ impl Sandboxes {
     }
 
     async fn fill_one(&self, template: &str) -> ApiResult<()> {
-        let tier = self.tier(Isolation::Container)?;
+        let tier = self.tier(self.args.default_isolation)?;
         let rootfs = self.templates.rootfs(template);
         let id = new_sandbox_id();
         let rec = SandboxRecord {
             hostname: format!("sbx-{}", &id[4..16]),
             id,
             template: template.to_string(),
-            isolation: Isolation::Container,
+            isolation: self.args.default_isolation,
             state: SandboxState::Starting,
             created_at_ms: now_ms(),
             expires_at_ms: i64::MAX / 2,
@@ -1202,20 +1213,16 @@ impl Sandboxes {
                 tracing::error!("{e:#}");
             }
         }
-        let mut policies: HashMap<
-            Isolation,
-            std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,
-        > = HashMap::new();
+        // One host network serves every tier (one nft table, one address space): each tier gets the
+        // policies of all live sandboxes.
+        let mut policies = std::collections::BTreeMap::<u32, moat_api::NetworkPolicy>::new();
         for rec in self.db.list_sandboxes()? {
             if let (true, Some(p)) = (live.contains(&rec.id), rec.network) {
-                policies
-                    .entry(rec.isolation)
-                    .or_default()
-                    .insert(rec.slot, p);
+                policies.insert(rec.slot, p);
             }
         }
-        for (isolation, tier) in &self.tiers {
-            tier.restore_network(&policies.remove(isolation).unwrap_or_default())
+        for tier in self.tiers.values() {
+            tier.restore_network(&policies)
                 .await
                 .context("restore sandbox networking")?;
             let keep: HashSet<String> = live.union(&kept_files).cloned().collect();

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -460,6 +460,25 @@ impl Network {
     /// namespaces costs the kernel more than making it there), and a sandbox with the default policy
     /// needs no nft transaction (its interface falls through to `sbx_default`).
     pub fn attach(&self, slot: u32, pid: u32, policy: &NetworkPolicy) -> Result<()> {
+        self.attach_to(slot, &format!("/proc/{pid}/ns/net"), Some(pid), policy)
+    }
+
+    /// Like [`Network::attach`] for a network namespace held by a file (a bind mount of one) rather
+    /// than by a process: the gvisor tier makes the namespace before the sandbox that joins it.
+    pub fn attach_netns(&self, slot: u32, netns: &Path, policy: &NetworkPolicy) -> Result<()> {
+        let path = netns
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("network namespace path is not UTF-8"))?;
+        self.attach_to(slot, path, None, policy)
+    }
+
+    fn attach_to(
+        &self,
+        slot: u32,
+        netns_path: &str,
+        pid: Option<u32>,
+        policy: &NetworkPolicy,
+    ) -> Result<()> {
         let (gw, ip) = self.addresses(slot);
         let host = self.host_if(slot);
         // A leftover of a crash with the same name would make `link add` fail.
@@ -474,16 +493,32 @@ impl Network {
         if custom || *policy != NetworkPolicy::default() {
             self.set_policy(slot, policy)?;
         }
-        run(
-            &["ip", "-batch", "-"],
-            &format!(
-                "link add {host} type veth peer name eth0 netns {pid}\n\
-                 addr add {gw}/30 dev {host}\n\
-                 link set {host} up\n"
-            ),
-        )
-        .context("make the sandbox's veth pair")?;
-        let netns = format!("--net=/proc/{pid}/ns/net");
+        let netns = format!("--net={netns_path}");
+        let host_end = format!(
+            "addr add {gw}/30 dev {host}\n\
+             link set {host} up\n"
+        );
+        match pid {
+            Some(pid) => run(
+                &["ip", "-batch", "-"],
+                &format!("link add {host} type veth peer name eth0 netns {pid}\n{host_end}"),
+            )
+            .context("make the sandbox's veth pair")?,
+            // `ip` names a namespace by pid or by a name under /run/netns, not by path: make the
+            // pair inside the sandbox's namespace and send the host end to the daemon's.
+            None => {
+                run(
+                    &["nsenter", &netns, "ip", "-batch", "-"],
+                    &format!(
+                        "link add eth0 type veth peer name {host} netns {}\n",
+                        std::process::id()
+                    ),
+                )
+                .context("make the sandbox's veth pair")?;
+                run(&["ip", "-batch", "-"], &host_end)
+                    .context("configure the host end of the sandbox's veth pair")?;
+            }
+        }
         run(
             &["nsenter", &netns, "ip", "-batch", "-"],
             &format!(

@@ -13,6 +13,8 @@ use moat_api::{Isolation, SandboxLimits, TierInfo};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 pub mod container;
+pub mod gvisor;
+pub mod layer;
 
 /// Everything a tier needs to start a sandbox.
 #[derive(Debug, Clone)]
@@ -108,8 +110,8 @@ pub trait IsolationTier: Send + Sync {
     /// Replaces a running sandbox's egress policy.
     async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()>;
 
-    /// At start-up: (re)installs the network rules with the policies of the live sandboxes
-    /// (slot → policy) and removes what sandboxes that are gone left.
+    /// At start-up: (re)installs the network rules with the policies of the live sandboxes of every
+    /// tier (slot → policy) and removes what sandboxes that are gone left.
     async fn restore_network(
         &self,
         live: &std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,

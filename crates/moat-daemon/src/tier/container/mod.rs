@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{AgentStream, IsolationTier, SandboxSpec, TierUsage};
 use crate::host::cgroup::{CgroupLayout, Limits};
-use crate::host::{diskimage, mount, proc};
+use crate::host::{mount, proc};
 
 /// Host ids each sandbox's user namespace maps (0..65535 inside).
 pub const IDS_PER_SANDBOX: u32 = 65_536;
@@ -124,27 +124,7 @@ impl ContainerTier {
         for sub in ["lower", "rootfs"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("mkdir {sub}"))?;
         }
-        let layer = if spec.limits.disk_mb > 0 {
-            let started = std::time::Instant::now();
-            let image = dir.join("disk.img");
-            if spec.keep_files && image.exists() {
-                diskimage::mount_image(&image, &dir.join("disk"))?;
-            } else {
-                diskimage::create_and_mount(
-                    &image,
-                    spec.limits.disk_mb,
-                    spec.limits.disk_inodes,
-                    &dir.join("disk"),
-                )?;
-            }
-            tracing::debug!(sandbox = %spec.id, "disk image ready in {:?}", started.elapsed());
-            dir.join("disk")
-        } else {
-            dir.clone()
-        };
-        for sub in ["upper", "work"] {
-            std::fs::create_dir_all(layer.join(sub)).with_context(|| format!("mkdir {sub}"))?;
-        }
+        let layer = super::layer::prepare(&dir, &spec.limits, spec.keep_files)?;
         // The overlay's root directory is the upper layer's: make it the sandbox root's.
         nix::unistd::chown(
             &layer.join("upper"),
@@ -325,22 +305,7 @@ impl ContainerTier {
         self.stop_instance(id, state)?;
         let dir = self.dir(id);
         mount::unmount_tree(&dir)?;
-        let Ok(rd) = std::fs::read_dir(&dir) else {
-            return Ok(());
-        };
-        for e in rd.flatten() {
-            let name = e.file_name();
-            if ["upper", "work", "disk.img"].iter().any(|k| name == *k) {
-                continue;
-            }
-            let p = e.path();
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                mount::remove_unmounted_tree(&p)?;
-            } else {
-                std::fs::remove_file(&p).with_context(|| format!("remove {}", p.display()))?;
-            }
-        }
-        Ok(())
+        super::layer::remove_all_but_layer(&dir)
     }
 
     /// Kills the instance's processes and removes its network and cgroup.
@@ -373,34 +338,8 @@ impl ContainerTier {
     }
 }
 
-/// Bytes (allocated) and entries under `dir`, counting at most `max_entries` (a layer without a disk
-/// quota has no cheaper source).
-fn tree_usage(dir: &Path, max_entries: u64) -> (u64, u64) {
-    use std::os::unix::fs::MetadataExt;
-    let (mut bytes, mut n) = (0u64, 0u64);
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            n += 1;
-            if n > max_entries {
-                return (bytes, n);
-            }
-            if let Ok(m) = e.metadata() {
-                bytes += m.blocks() * 512;
-                if m.is_dir() {
-                    stack.push(e.path());
-                }
-            }
-        }
-    }
-    (bytes, n)
-}
-
 /// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
-fn reap(pid: u32) {
+pub(crate) fn reap(pid: u32) {
     let p = nix::unistd::Pid::from_raw(pid as i32);
     for _ in 0..100 {
         match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
@@ -489,11 +428,7 @@ impl IsolationTier for ContainerTier {
         tokio::task::spawn_blocking(move || {
             let u = this.cgroups.usage(&id);
             let dir = this.dir(&id);
-            let (disk_bytes, disk_inodes) = if dir.join("disk.img").exists() {
-                diskimage::used(&dir.join("disk"))?
-            } else {
-                tree_usage(&dir.join("upper"), 1_000_000)
-            };
+            let (disk_bytes, disk_inodes) = super::layer::usage(&dir)?;
             Ok(TierUsage {
                 cpu_usage_us: u.cpu_usage_us,
                 memory_bytes: u.memory_bytes,
@@ -658,11 +593,7 @@ impl ContainerTier {
     /// files, device nodes (whiteouts) and extended attributes (opaque directories, file capabilities).
     fn export_blocking(&self, id: &str, state: &ContainerState, dest: &Path) -> Result<Duration> {
         let dir = self.dir(id);
-        let upper = if dir.join("disk.img").exists() {
-            dir.join("disk/upper")
-        } else {
-            dir.join("upper")
-        };
+        let upper = super::layer::upper(&dir);
         let view = dir.join("export");
         std::fs::create_dir_all(&view).context("mkdir export")?;
         let userns = crate::host::userns::with_map(state.host_uid, 0, IDS_PER_SANDBOX)?;
@@ -673,27 +604,7 @@ impl ContainerTier {
         }
         let copied = (|| {
             mount::idmapped_bind(&upper, &view, &userns)?;
-            let out = Command::new("cp")
-                .args([
-                    "-dR",
-                    "--preserve=mode,ownership,timestamps,links,xattr",
-                    "--sparse=auto",
-                    "--no-target-directory",
-                ])
-                .arg(&view)
-                .arg(dest)
-                .env_clear()
-                .env("PATH", "/usr/bin:/bin")
-                .stdin(Stdio::null())
-                .output()
-                .context("run cp")?;
-            if !out.status.success() {
-                bail!(
-                    "copy the writable layer: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
-            Ok(())
+            super::layer::copy(&view, dest)
         })();
         let frozen_for = started.elapsed();
         let unmounted = mount::unmount_tree(&view);
