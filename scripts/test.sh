@@ -36,7 +36,7 @@ cargo test --workspace "$@"
 
 # The end-to-end suite again with every sandbox on the gvisor tier (runsc from scripts/deps.sh): the
 # same tests, parametrised by MOAT_E2E_ISOLATION (tests/e2e/harness.rs), never copied. The tests
-# named here pass on gvisor; the others (tests/e2e/GVISOR.md says which and why) are issue 8's open
+# named in tests/e2e/gvisor-tests.txt pass on gvisor; the others (tests/e2e/GVISOR.md says which and why) are issue 8's open
 # work and are not counted as passing.
 echo "== cargo test (e2e, gvisor tier)"
 mapfile -t gvisor_tests < <(grep -v '^#' tests/e2e/gvisor-tests.txt | grep -v '^$')

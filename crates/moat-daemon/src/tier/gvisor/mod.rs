@@ -232,6 +232,8 @@ impl GvisorTier {
         let sock = dir.join("sock");
         let _ = std::fs::remove_dir_all(&sock);
         std::fs::create_dir(&sock).context("mkdir sock")?;
+        // Root of the sandbox only: the agent's socket runs commands as any user.
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o700))?;
         let netns = dir.join("netns");
         let net_slot = match (&self.net, &spec.network) {
             (Some(net), Some(policy)) => {
