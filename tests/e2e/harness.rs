@@ -394,12 +394,29 @@ pub fn uid_of(pid: u32) -> u32 {
         .unwrap()
 }
 
+/// The host process that runs the sandbox: its PID 1 (container tier), or gVisor's Sentry
+/// (`runsc-sandbox`; the other processes of the cgroup are its gofer and ptrace stubs).
+pub fn main_pid(pids: &[u32]) -> u32 {
+    if is_container() {
+        return *pids.iter().min().unwrap();
+    }
+    *pids
+        .iter()
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"runsc-sandbox"))
+        })
+        .unwrap_or_else(|| panic!("no runsc-sandbox among {pids:?}"))
+}
+
 pub fn host_facts(id: &str) -> HostFacts {
     let pids = cgroup_procs(id);
     assert!(
         !pids.is_empty(),
         "sandbox {id} has no processes in its cgroup"
     );
+    // The lowest pid holds the sandbox's namespaces: its PID 1 (container), or runsc's gofer (gVisor's
+    // Sentry itself stays in the host's pid namespace; its tasks are not host processes).
     let pid1 = *pids.iter().min().unwrap();
     HostFacts {
         id: id.to_string(),

@@ -49,6 +49,21 @@ pub struct TierUsage {
     pub disk_inodes: u64,
 }
 
+impl TierUsage {
+    /// A sandbox's cgroup usage and its writable layer's (bytes, inodes).
+    pub fn new(cgroup: crate::host::cgroup::Usage, (disk_bytes, disk_inodes): (u64, u64)) -> Self {
+        TierUsage {
+            cpu_usage_us: cgroup.cpu_usage_us,
+            memory_bytes: cgroup.memory_bytes,
+            memory_peak_bytes: cgroup.memory_peak_bytes,
+            pids: cgroup.pids,
+            oom_kills: cgroup.oom_kills,
+            disk_bytes,
+            disk_inodes,
+        }
+    }
+}
+
 /// A byte stream to a sandbox's agent.
 pub trait AgentIo: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> AgentIo for T {}
@@ -104,11 +119,23 @@ pub trait IsolationTier: Send + Sync {
         dest: &std::path::Path,
     ) -> Result<std::time::Duration>;
 
+    /// The host's sandbox network (veth pairs, addresses, nft policy) the tier attaches sandboxes to;
+    /// None with `--network none`.
+    fn host_network(&self) -> Option<&crate::host::net::Network>;
+
     /// The sandbox's (gateway, address) when the tier gives sandboxes a network.
-    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)>;
+    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)> {
+        self.host_network().map(|n| n.addresses(slot))
+    }
 
     /// Replaces a running sandbox's egress policy.
-    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()>;
+    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()> {
+        let Some(net) = self.host_network().cloned() else {
+            anyhow::bail!("sandbox networking is off (moat serve --network none)");
+        };
+        let policy = policy.clone();
+        tokio::task::spawn_blocking(move || net.set_policy(slot, &policy)).await?
+    }
 
     /// At start-up: (re)installs the network rules with the policies of the live sandboxes of every
     /// tier (slot → policy) and removes what sandboxes that are gone left.
@@ -130,4 +157,34 @@ pub trait IsolationTier: Send + Sync {
 
     /// Removes leftovers of sandboxes that are not in `live` (a crash, a kill -9 mid-create).
     async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>>;
+}
+
+/// Runs a tier's blocking `start` of `spec`; when it fails, removes what it left behind (a sandbox
+/// coming back over its files keeps them: release instead of destroy).
+pub(crate) async fn start_or_clean<T, S>(
+    tier: &T,
+    spec: &SandboxSpec,
+    start: impl FnOnce() -> Result<S> + Send + 'static,
+) -> Result<serde_json::Value>
+where
+    T: IsolationTier + ?Sized,
+    S: serde::Serialize + Send + 'static,
+{
+    let t = std::time::Instant::now();
+    let res = tokio::task::spawn_blocking(start).await?;
+    tracing::debug!(sandbox = %spec.id, tier = tier.isolation().as_str(), took = ?t.elapsed(), ok = res.is_ok(), "sandbox started");
+    match res {
+        Ok(state) => Ok(serde_json::to_value(state)?),
+        Err(e) => {
+            let cleanup = if spec.keep_files {
+                tier.release(&spec.id, None).await
+            } else {
+                tier.destroy(&spec.id, None).await
+            };
+            if let Err(c) = cleanup {
+                tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
+            }
+            Err(e)
+        }
+    }
 }

@@ -590,29 +590,7 @@ impl IsolationTier for GvisorTier {
     async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
         let this = self.clone();
         let spec2 = spec.clone();
-        let t = std::time::Instant::now();
-        let res = tokio::task::spawn_blocking(move || this.create_blocking(&spec2)).await?;
-        tracing::debug!(sandbox = %spec.id, took = ?t.elapsed(), ok = res.is_ok(), "gvisor sandbox created");
-        match res {
-            Ok(state) => Ok(serde_json::to_value(state)?),
-            Err(e) => {
-                let this = self.clone();
-                let id = spec.id.clone();
-                let keep = spec.keep_files;
-                let cleanup = tokio::task::spawn_blocking(move || {
-                    if keep {
-                        this.release_blocking(&id, None)
-                    } else {
-                        this.destroy_blocking(&id, None)
-                    }
-                })
-                .await?;
-                if let Err(c) = cleanup {
-                    tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
-                }
-                Err(e)
-            }
-        }
+        super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
     async fn connect(&self, id: &str, _state: &serde_json::Value) -> Result<AgentStream> {
@@ -654,18 +632,10 @@ impl IsolationTier for GvisorTier {
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
-            let u = this.cgroups.usage(&id);
-            let dir = this.dir(&id);
-            let (disk_bytes, disk_inodes) = super::layer::usage(&dir)?;
-            Ok(TierUsage {
-                cpu_usage_us: u.cpu_usage_us,
-                memory_bytes: u.memory_bytes,
-                memory_peak_bytes: u.memory_peak_bytes,
-                pids: u.pids,
-                oom_kills: u.oom_kills,
-                disk_bytes,
-                disk_inodes,
-            })
+            Ok(TierUsage::new(
+                this.cgroups.usage(&id),
+                super::layer::usage(&this.dir(&id))?,
+            ))
         })
         .await?
     }
@@ -717,16 +687,8 @@ impl IsolationTier for GvisorTier {
         )
     }
 
-    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)> {
-        self.net.as_ref().map(|n| n.addresses(slot))
-    }
-
-    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()> {
-        let Some(net) = self.net.clone() else {
-            bail!("sandbox networking is off (moat serve --network none)");
-        };
-        let policy = policy.clone();
-        tokio::task::spawn_blocking(move || net.set_policy(slot, &policy)).await?
+    fn host_network(&self) -> Option<&crate::host::net::Network> {
+        self.net.as_ref()
     }
 
     async fn restore_network(&self, _live: &BTreeMap<u32, moat_api::NetworkPolicy>) -> Result<()> {
