@@ -22,7 +22,8 @@ packages=(
     dnsmasq-base      # tests: the DNS server of the network test's "internet" namespace
     python3           # tests: HTTP servers inside test namespaces and sandboxes
     openssl           # tests: self-signed certificates of the network test's HTTPS servers
-    bubblewrap runc podman runsc  # bench: the peers moat is measured against
+    runsc             # the gvisor isolation tier (and a bench peer)
+    bubblewrap runc podman  # bench: the peers moat is measured against
 )
 
 missing=()
