@@ -521,8 +521,11 @@ impl Network {
         }
         run(
             &["nsenter", &netns, "ip", "-batch", "-"],
+            // lo too: gVisor's netstack copies the namespace's interfaces as they are when the
+            // sandbox starts (the container tier's agent would bring it up itself).
             &format!(
-                "addr add {ip}/30 dev eth0\n\
+                "link set lo up\n\
+                 addr add {ip}/30 dev eth0\n\
                  link set eth0 up\n\
                  route add default via {gw}\n"
             ),
