@@ -32,7 +32,7 @@ use sha2::Digest;
 pub use config::ServeArgs;
 
 /// Runs the daemon until SIGINT/SIGTERM. Sandboxes outlive the daemon and are re-adopted at the next start.
-pub async fn serve(args: ServeArgs) -> Result<()> {
+pub async fn serve(mut args: ServeArgs) -> Result<()> {
     if !nix::unistd::geteuid().is_root() {
         bail!("moat serve must run as root (it creates namespaces, cgroups and mounts)");
     }
@@ -40,6 +40,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("create {}", args.data_dir.display()))?;
+    // Absolute from here on: mount points are found again by comparing with /proc's absolute paths
+    // (a relative --data-dir left every sandbox's mounts behind at delete).
+    args.data_dir = std::fs::canonicalize(&args.data_dir)
+        .with_context(|| format!("resolve {}", args.data_dir.display()))?;
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o711))?;
     // One daemon per data dir: two would sweep each other's sandboxes as leftovers.
     let _lock = lock_data_dir(&args.data_dir)?;

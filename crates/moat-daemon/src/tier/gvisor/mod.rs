@@ -503,6 +503,18 @@ impl GvisorTier {
         mount::remove_unmounted_tree(&dir)
     }
 
+    /// runsc's status of the container (`running`, `paused`, ...), None when runsc does not know it.
+    fn runsc_status(&self, id: &str, networked: bool) -> Result<Option<String>> {
+        let out = self
+            .command(networked)?
+            .args(["state", id])
+            .output()
+            .context("run runsc state")?;
+        Ok(serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.get("status")?.as_str().map(str::to_string)))
+    }
+
     /// Runs `moat-agent --sync` inside the sandbox: what the Sentry caches reaches the host files.
     fn sync_inside(&self, id: &str, networked: bool) -> Result<()> {
         self.runsc_run(networked, &["exec", id, AGENT_PATH_INSIDE, "--sync"])
@@ -662,7 +674,12 @@ impl IsolationTier for GvisorTier {
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
             this.cgroups.set_frozen(&id, false)?;
-            this.runsc_run(networked, &["resume", &id])
+            // Resume also thaws running sandboxes at start-up (a crash mid-snapshot): only a
+            // sandbox runsc holds paused needs `runsc resume`, which refuses a running one.
+            if this.runsc_status(&id, networked)?.as_deref() == Some("paused") {
+                this.runsc_run(networked, &["resume", &id])?;
+            }
+            Ok(())
         })
         .await?
     }
