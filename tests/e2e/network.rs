@@ -1155,3 +1155,71 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         .is_empty());
     d.stop();
 }
+
+/// A full-state snapshot of a networked sandbox (gvisor): the sandbox and a fork restored from it
+/// both reach the test's internet server, the fork with its own address (runsc restore takes the
+/// interfaces of the network namespace it restores into), and the fork's processes run on. The
+/// container tier refuses the kind (docs/snapshots.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn full_snapshot_of_a_networked_sandbox_forks_with_its_own_address() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_topo, _d, c, _) = networked_daemon(tmp.path(), "10.203.0.0/16", &[]).await;
+    let a = create_bb(&c, None).await;
+    let full = moat_api::CreateSnapshotRequest {
+        kind: Some(moat_api::SnapshotKind::Full),
+        ..Default::default()
+    };
+    if is_container() {
+        match c.create_snapshot(&a.id, &full).await {
+            Err(moat_client::Error::Api { status, body }) => assert_eq!(
+                (status, body.error.code, body.error.field.as_deref()),
+                (503, ErrorCode::Unavailable, Some("kind"))
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        c.delete_sandbox(&a.id).await.unwrap();
+        return;
+    }
+    let sleeper = c
+        .start_process_background(
+            &a.id,
+            &moat_api::StartProcessRequest {
+                command: Some("sleep 3600".into()),
+                tag: Some("sleeper".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let snap = c.create_snapshot(&a.id, &full).await.unwrap();
+    let hello = format!("http://{INTERNET}:8080/");
+    assert_eq!(fetch(&c, &a.id, &hello).await.as_deref(), Some("hello"));
+    let forks = c
+        .fork(
+            &snap.id,
+            &moat_api::ForkRequest {
+                count: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let f = &forks[0];
+    let ip = f.network.as_ref().expect("a network").ip.clone();
+    assert_ne!(Some(&ip), a.network.as_ref().map(|n| &n.ip));
+    let addrs = sh(&c, &f.id, "busybox ip -4 addr").await.stdout;
+    assert!(addrs.contains(&format!("inet {ip}/")), "{addrs}");
+    assert_eq!(fetch(&c, &f.id, &hello).await.as_deref(), Some("hello"));
+    assert!(c
+        .list_processes(&f.id)
+        .await
+        .unwrap()
+        .iter()
+        .any(|p| p.pid == sleeper.pid && p.running));
+    // The snapshotted sandbox still reaches the server too, with its address.
+    assert_eq!(fetch(&c, &a.id, &hello).await.as_deref(), Some("hello"));
+    for id in [&f.id, &a.id] {
+        c.delete_sandbox(id).await.unwrap();
+    }
+    c.delete_snapshot(&snap.id).await.unwrap();
+}

@@ -49,6 +49,29 @@ async fn sandboxes_survive_daemon_kill9() {
     let ticker = c.start_process_background(&keep.id, &bg).await.unwrap();
     let keep_facts = host_facts(&keep.id);
     let short_facts = host_facts(&short.id);
+    // A full-state snapshot (gvisor) outlives the daemon: sandboxes started from it after the
+    // restart continue its processes.
+    let full = if is_container() {
+        None
+    } else {
+        let snap = c
+            .create_snapshot(
+                &keep.id,
+                &moat_api::CreateSnapshotRequest {
+                    kind: Some(moat_api::SnapshotKind::Full),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        Some(snap)
+    };
+    let keep_facts = if full.is_some() {
+        // The snapshot restored the sandbox's Sentry: new host processes.
+        host_facts(&keep.id)
+    } else {
+        keep_facts
+    };
 
     d.kill9();
     // While the daemon is down the sandbox goes on running.
@@ -89,6 +112,24 @@ async fn sandboxes_survive_daemon_kill9() {
         }
     }
     assert!(String::from_utf8_lossy(&text).starts_with("tick 0\n"));
+    if let Some(snap) = &full {
+        let forks = c
+            .fork(
+                &snap.id,
+                &moat_api::ForkRequest {
+                    count: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let procs = c.list_processes(&forks[0].id).await.unwrap();
+        assert!(
+            procs.iter().any(|p| p.pid == ticker.pid && p.running),
+            "{procs:?}"
+        );
+        c.delete_sandbox(&forks[0].id).await.unwrap();
+    }
 
     // Timeouts still fire after the restart.
     c.set_timeout(&short.id, 1).await.unwrap();
@@ -116,9 +157,22 @@ async fn sandboxes_survive_daemon_kill9() {
         .join(&parent)
         .join("sbx_orphanorphanorphanorphanor");
     std::fs::create_dir_all(&orphan_cgroup).unwrap();
+    // A checkpoint image without a snapshot (a crash between writing and recording it).
+    let orphan_image = d
+        .data_dir
+        .join("checkpoints/snap_orphanorphanorphanorphanor");
+    std::fs::create_dir_all(&orphan_image).unwrap();
+    std::fs::write(orphan_image.join("checkpoint.img"), "x").unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     d.restart();
     let c = d.client();
+    assert!(
+        !orphan_image.exists(),
+        "leftover checkpoint image not swept"
+    );
+    if let Some(snap) = &full {
+        assert!(d.data_dir.join("checkpoints").join(&snap.id).is_dir());
+    }
     assert!(c.get_sandbox(&keep.id).await.unwrap_err().is_not_found());
     assert_no_leaks(&keep_facts, &d.data_dir);
     assert!(!orphan.exists(), "leftover sandbox dir not swept");

@@ -563,21 +563,24 @@ async fn paused_sandbox_resumes_with_its_files_after_a_host_reboot() {
 async fn snapshot_bad_input_and_unsupported_kinds() {
     let c = shared_client();
     let sbx = create(&c, "base").await;
-    // Memory snapshots need CRIU on the container tier: refused with the reason, on the field.
-    let (status, code, field) = api_err(
-        c.create_snapshot(
-            &sbx.id,
-            &CreateSnapshotRequest {
-                kind: Some(SnapshotKind::Full),
-                ..Default::default()
-            },
-        )
-        .await,
-    );
-    assert_eq!(
-        (status, code, field.as_deref()),
-        (503, ErrorCode::Unavailable, Some("kind"))
-    );
+    // Memory snapshots need CRIU on the container tier: refused with the reason, on the field
+    // (full_snapshot_continues_a_counting_process takes them on gvisor).
+    if is_container() {
+        let (status, code, field) = api_err(
+            c.create_snapshot(
+                &sbx.id,
+                &CreateSnapshotRequest {
+                    kind: Some(SnapshotKind::Full),
+                    ..Default::default()
+                },
+            )
+            .await,
+        );
+        assert_eq!(
+            (status, code, field.as_deref()),
+            (503, ErrorCode::Unavailable, Some("kind"))
+        );
+    }
     let bad_name = CreateSnapshotRequest {
         name: Some("Bad Name".into()),
         ..Default::default()
@@ -675,4 +678,288 @@ async fn snapshot_bad_input_and_unsupported_kinds() {
     );
     c.delete_snapshot(&name).await.unwrap();
     c.delete_sandbox(&sbx.id).await.unwrap();
+}
+
+/// A process that counts in a shell variable: each count goes to its stdout and to /root/count.
+const TICKER: &str = "i=0; while :; do i=$((i+1)); echo $i; echo $i > /root/count.tmp; \
+    mv /root/count.tmp /root/count; sleep 0.05; done";
+
+/// The ticker's count (0 before its first).
+async fn ticks(c: &Client, id: &str) -> u64 {
+    let out = sh(c, id, "cat /root/count 2>/dev/null || echo 0").await;
+    out.stdout
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{out:?}"))
+}
+
+/// The counter's pid when it runs in `id`.
+async fn counter_pid(c: &Client, id: &str) -> Option<u32> {
+    c.list_processes(id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|p| p.tag.as_deref() == Some("counter") && p.running)
+        .map(|p| p.pid)
+}
+
+/// Reads the counter's output from the start (`replay`) until it prints a number above `above`;
+/// returns every number it printed. The first ones were printed before the snapshot: the agent's
+/// output buffer, in the sandbox's memory, came back with it.
+async fn counter_output_past(c: &Client, id: &str, above: u64) -> Vec<u64> {
+    use futures::StreamExt;
+    let mut ev = c.attach(id, "counter", true).await.unwrap();
+    let mut text = Vec::new();
+    let read = async {
+        while let Some(e) = ev.next().await {
+            if let moat_api::ProcessEvent::Stdout(ch) = e.unwrap() {
+                text.extend(decode(&ch));
+                let last = String::from_utf8_lossy(&text)
+                    .lines()
+                    .filter_map(|l| l.parse::<u64>().ok())
+                    .next_back()
+                    .unwrap_or(0);
+                if last > above && text.ends_with(b"\n") {
+                    return;
+                }
+            }
+        }
+        panic!("the counter's output ended");
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("the counter printed nothing new in 30 s");
+    String::from_utf8_lossy(&text)
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect()
+}
+
+/// Full-state snapshots. On gvisor (runsc checkpoint/restore) a counting process goes on with its
+/// memory: in the snapshotted sandbox, in two forks (each its own copy), and after a reset of one to
+/// the snapshot; the agent's output buffer comes back too. The container tier refuses the kind
+/// with the reason, on the field (it needs CRIU, which does not work on this kernel).
+#[tokio::test(flavor = "multi_thread")]
+async fn full_snapshot_continues_a_counting_process() {
+    let c = shared_client();
+    let sbx = create(&c, "base").await;
+    let full = CreateSnapshotRequest {
+        kind: Some(SnapshotKind::Full),
+        ..Default::default()
+    };
+    if is_container() {
+        let (status, code, field) = api_err(c.create_snapshot(&sbx.id, &full).await);
+        assert_eq!(
+            (status, code, field.as_deref()),
+            (503, ErrorCode::Unavailable, Some("kind"))
+        );
+        c.delete_sandbox(&sbx.id).await.unwrap();
+        return;
+    }
+    let info = c
+        .start_process_background(
+            &sbx.id,
+            &StartProcessRequest {
+                command: Some(TICKER.into()),
+                tag: Some("counter".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    while ticks(&c, &sbx.id).await < 5 {
+        assert!(started.elapsed() < Duration::from_secs(30), "no count");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let snap = c.create_snapshot(&sbx.id, &full).await.unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Full);
+    let image = shared().data_dir.join("checkpoints").join(&snap.id);
+    assert!(image.is_dir(), "{} missing", image.display());
+    // The snapshotted sandbox goes on: same process, counting on.
+    let after = ticks(&c, &sbx.id).await;
+    assert!(after >= 5, "count went back to {after}");
+    assert_eq!(counter_pid(&c, &sbx.id).await, Some(info.pid));
+    let seen = counter_output_past(&c, &sbx.id, after + 3).await;
+    assert_eq!(seen[..5], [1, 2, 3, 4, 5], "{seen:?}");
+
+    let forks = c
+        .fork(
+            &snap.id,
+            &ForkRequest {
+                count: 2,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    for f in &forks {
+        assert_eq!(f.state, SandboxState::Running);
+        // The process exists only because its memory came back (a filesystem holds no process).
+        assert_eq!(counter_pid(&c, &f.id).await, Some(info.pid), "{}", f.id);
+        let first = ticks(&c, &f.id).await;
+        assert!(first >= 5, "fork {} counts from {first}", f.id);
+        let seen = counter_output_past(&c, &f.id, first + 3).await;
+        assert_eq!(seen[..5], [1, 2, 3, 4, 5], "{seen:?}");
+        assert!(seen.windows(2).all(|w| w[1] == w[0] + 1), "{seen:?}");
+    }
+    // Each fork is its own copy.
+    let (a, b) = (&forks[0].id, &forks[1].id);
+    assert_eq!(
+        sh(&c, a, "touch /root/only-a").await.exit.exit_code,
+        Some(0)
+    );
+    assert_eq!(
+        sh(&c, b, "test -e /root/only-a").await.exit.exit_code,
+        Some(1)
+    );
+    // Reset goes back to the snapshot's instant: the same count, the process still there.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before_reset = ticks(&c, b).await;
+    c.signal(b, "counter", "SIGKILL").await.unwrap();
+    let mut gone = false;
+    for _ in 0..200 {
+        if counter_pid(&c, b).await.is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "the counter of {b} did not end");
+    let reset = c
+        .reset_sandbox(
+            b,
+            &ResetRequest {
+                snapshot: Some(snap.id.clone()),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(reset.state, SandboxState::Running);
+    assert_eq!(counter_pid(&c, b).await, Some(info.pid));
+    let first = ticks(&c, b).await;
+    assert!(
+        (5..before_reset).contains(&first),
+        "after reset {first}, before {before_reset}"
+    );
+
+    c.delete_snapshot(&snap.id).await.unwrap();
+    assert!(!image.exists(), "{} left behind", image.display());
+    for s in [&sbx.id, a, b] {
+        c.delete_sandbox(s).await.unwrap();
+    }
+}
+
+/// gVisor cannot save a Unix socket bound to a file path (a host socket under `--host-uds`): a
+/// full-state snapshot of a sandbox holding one is refused with 409 and the reason, and the sandbox
+/// goes on as before (its agent listens again, its processes keep running). The container tier
+/// refuses the kind for every sandbox.
+#[tokio::test(flavor = "multi_thread")]
+async fn full_snapshot_refuses_a_bound_unix_socket_and_the_sandbox_goes_on() {
+    let c = shared_client();
+    let sbx = create(&c, "base").await;
+    let server = "import socket, time\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.bind('/root/app.sock')\n\
+        s.listen()\n\
+        print('listening', flush=True)\n\
+        time.sleep(3600)\n";
+    c.write_file(&sbx.id, "/root/server.py", server, &Default::default())
+        .await
+        .unwrap();
+    let info = c
+        .start_process_background(
+            &sbx.id,
+            &StartProcessRequest {
+                cmd: Some(vec!["python3".into(), "/root/server.py".into()]),
+                tag: Some("server".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    // (gVisor's own stat of a host socket's file fails: the server says when it is bound.)
+    let mut out = c.attach(&sbx.id, "server", true).await.unwrap();
+    let mut up = false;
+    let wait = async {
+        use futures::StreamExt;
+        while let Some(e) = out.next().await {
+            if let moat_api::ProcessEvent::Stdout(ch) = e.unwrap() {
+                if String::from_utf8_lossy(&decode(&ch)).contains("listening") {
+                    return true;
+                }
+            }
+        }
+        false
+    };
+    if let Ok(v) = tokio::time::timeout(Duration::from_secs(30), wait).await {
+        up = v;
+    }
+    drop(out);
+    assert!(up, "the server did not bind its socket");
+    let (status, code, field) = api_err(
+        c.create_snapshot(
+            &sbx.id,
+            &CreateSnapshotRequest {
+                kind: Some(SnapshotKind::Full),
+                ..Default::default()
+            },
+        )
+        .await,
+    );
+    if is_container() {
+        assert_eq!(
+            (status, code, field.as_deref()),
+            (503, ErrorCode::Unavailable, Some("kind"))
+        );
+    } else {
+        assert_eq!((status, code), (409, ErrorCode::Conflict));
+    }
+    // Nothing was recorded, and the sandbox goes on.
+    assert!(c
+        .list_snapshots()
+        .await
+        .unwrap()
+        .iter()
+        .all(|s| s.sandbox_id != sbx.id));
+    assert_eq!(sh(&c, &sbx.id, "echo ok").await.stdout, "ok\n");
+    let procs = c.list_processes(&sbx.id).await.unwrap();
+    assert!(procs
+        .iter()
+        .any(|p| p.pid == info.pid && p.running && p.tag.as_deref() == Some("server")));
+    // Once the socket is closed, the same sandbox can be snapshotted in full.
+    c.signal(&sbx.id, "server", "SIGKILL").await.unwrap();
+    if !is_container() {
+        let mut snap = None;
+        for _ in 0..100 {
+            if process_gone(&c, &sbx.id, info.pid).await {
+                snap = Some(
+                    c.create_snapshot(
+                        &sbx.id,
+                        &CreateSnapshotRequest {
+                            kind: Some(SnapshotKind::Full),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap(),
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let snap = snap.expect("the server did not end");
+        assert_eq!(snap.kind, SnapshotKind::Full);
+        c.delete_snapshot(&snap.id).await.unwrap();
+    }
+    c.delete_sandbox(&sbx.id).await.unwrap();
+}
+
+/// Whether process `pid` of `id` has ended.
+async fn process_gone(c: &Client, id: &str, pid: u32) -> bool {
+    !c.list_processes(id)
+        .await
+        .unwrap()
+        .iter()
+        .any(|p| p.pid == pid && p.running)
 }

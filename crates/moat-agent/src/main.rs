@@ -151,7 +151,11 @@ fn main() {
             }
         };
         eprintln!("moat-agent {} listening", env!("CARGO_PKG_VERSION"));
-        server::serve(listener, agent).await;
+        let rebind = match &opts.listen {
+            Listen::Path(p) => Some(std::path::PathBuf::from(p)),
+            Listen::Fd(_) => None,
+        };
+        server::serve(listener, agent, rebind).await;
     });
 }
 

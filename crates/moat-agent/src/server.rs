@@ -9,7 +9,13 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use moat_api::{ErrorBody, ErrorCode, AGENT_PROTOCOL_VERSION};
+use std::path::PathBuf;
+
 use tokio::net::UnixListener;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinSet;
+
+use moat_api::checkpoint;
 
 use crate::http::{full, json, ApiError, HandlerResult, RespBody};
 use crate::process::Processes;
@@ -24,29 +30,149 @@ pub struct Agent {
 }
 
 /// Accepts connections forever.
-pub async fn serve(listener: UnixListener, agent: Arc<Agent>) {
+///
+/// With `rebind` (the agent bound its socket at a path, as on the gvisor tier), SIGUSR1 asks the
+/// agent to let go of every host resource it holds for the daemon, so that the sandbox can be
+/// checkpointed (gVisor cannot save a socket bound to a host file, nor one connected through it).
+/// It acts only when the daemon asked for it first ([`checkpoint::REQUEST`] next to the socket): it
+/// closes every connection and its listener, then creates [`checkpoint::QUIESCED`] there, which tells the daemon
+/// it is done (the socket file itself cannot be removed from inside gVisor: the daemon removes it).
+/// It binds the socket again on SIGUSR2 (the daemon sends it once the checkpoint is written, to the
+/// sandbox and to every restored copy), or by itself after [`QUIESCE_MAX`].
+pub async fn serve(mut listener: UnixListener, agent: Arc<Agent>, rebind: Option<PathBuf>) {
+    let signals = match &rebind {
+        Some(_) => match (
+            signal(SignalKind::user_defined1()),
+            signal(SignalKind::user_defined2()),
+        ) {
+            (Ok(a), Ok(b)) => Some((a, b)),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("moat-agent: signal handlers: {e}");
+                None
+            }
+        },
+        None => None,
+    };
+    let Some((mut quiesce, mut wake)) = signals else {
+        let mut conns = JoinSet::new();
+        loop {
+            accept_one(&listener, &agent, &mut conns).await;
+        }
+    };
+    let Some(path) = rebind else { return };
+    let dir = path
+        .parent()
+        .unwrap_or(std::path::Path::new("/"))
+        .to_path_buf();
     loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                eprintln!("moat-agent: accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
+        let mut conns = JoinSet::new();
+        loop {
+            tokio::select! {
+                _ = accept_one(&listener, &agent, &mut conns) => {}
+                _ = quiesce.recv() => {
+                    if !dir.join(checkpoint::REQUEST).exists() {
+                        eprintln!("moat-agent: SIGUSR1 without a checkpoint request; ignored");
+                        continue;
+                    }
+                    let held = host_sockets(&path);
+                    if held.is_empty() {
+                        break;
+                    }
+                    if let Err(e) = std::fs::write(dir.join(checkpoint::REFUSED), held.join("\n")) {
+                        eprintln!("moat-agent: writing {}: {e}", checkpoint::REFUSED);
+                    }
+                }
+                // A SIGUSR2 while serving means nothing; drained so that it cannot end a later wait.
+                _ = wake.recv() => {}
+            }
+        }
+        conns.abort_all();
+        while conns.join_next().await.is_some() {}
+        drop(listener);
+        if let Err(e) = std::fs::write(dir.join(checkpoint::QUIESCED), b"") {
+            eprintln!("moat-agent: writing {}: {e}", checkpoint::QUIESCED);
+        }
+        eprintln!("moat-agent: quiesced for a checkpoint");
+        tokio::select! {
+            _ = wake.recv() => {}
+            _ = tokio::time::sleep(QUIESCE_MAX) => eprintln!("moat-agent: no SIGUSR2; listening again"),
+        }
+        let _ = std::fs::remove_file(dir.join(checkpoint::QUIESCED));
+        listener = loop {
+            let _ = std::fs::remove_file(&path);
+            match std::os::unix::net::UnixListener::bind(&path)
+                .and_then(|l| {
+                    l.set_nonblocking(true)?;
+                    Ok(l)
+                })
+                .and_then(UnixListener::from_std)
+            {
+                Ok(l) => break l,
+                Err(e) => {
+                    eprintln!("moat-agent: binding {}: {e}", path.display());
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
             }
         };
-        let agent = Arc::clone(&agent);
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| handle(Arc::clone(&agent), req));
-            let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-            builder
-                .initial_stream_window_size(1 << 20)
-                .initial_connection_window_size(4 << 20)
-                .max_concurrent_streams(1024);
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
-                eprintln!("moat-agent: connection ended: {e}");
-            }
-        });
     }
+}
+
+/// Paths of the Unix sockets processes of the sandbox have bound to files on a filesystem other
+/// than a tmpfs (one the gofer serves: gVisor makes them host sockets, which runsc cannot save),
+/// except the agent's own `own`.
+fn host_sockets(own: &std::path::Path) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let mut held: Vec<String> = moat_api::unix_sockets_bound_to_paths(&table)
+        .into_iter()
+        .map(|(_, p)| p)
+        .filter(|p| std::path::Path::new(p) != own && !on_tmpfs(p))
+        .collect();
+    held.sort();
+    held.dedup();
+    held
+}
+
+/// Whether the directory of `path` is on a tmpfs (in the Sentry's memory).
+fn on_tmpfs(path: &str) -> bool {
+    let dir = std::path::Path::new(path)
+        .parent()
+        .unwrap_or(std::path::Path::new("/"));
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs writes into the zeroed struct we own; `c` is a valid C string.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
+    }
+}
+
+/// Longest the agent stays unreachable after SIGUSR1 without a SIGUSR2.
+pub const QUIESCE_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Accepts one connection and serves it in a task of `conns` (finished ones are reaped as it goes).
+async fn accept_one(listener: &UnixListener, agent: &Arc<Agent>, conns: &mut JoinSet<()>) {
+    while conns.try_join_next().is_some() {}
+    let stream = match listener.accept().await {
+        Ok((s, _)) => s,
+        Err(e) => {
+            eprintln!("moat-agent: accept: {e}");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            return;
+        }
+    };
+    let agent = Arc::clone(agent);
+    conns.spawn(async move {
+        let svc = service_fn(move |req| handle(Arc::clone(&agent), req));
+        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .initial_stream_window_size(1 << 20)
+            .initial_connection_window_size(4 << 20)
+            .max_concurrent_streams(1024);
+        if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+            eprintln!("moat-agent: connection ended: {e}");
+        }
+    });
 }
 
 /// Answers one request; errors become JSON error responses, never panics.

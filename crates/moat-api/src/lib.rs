@@ -5,6 +5,7 @@
 //! which is why process and file types live here and not in the daemon.
 
 pub mod audit;
+pub mod checkpoint;
 pub mod code;
 pub mod error;
 pub mod files;
@@ -15,6 +16,7 @@ pub mod snapshot;
 pub mod template;
 
 pub use audit::*;
+pub use checkpoint::unix_sockets_bound_to_paths;
 pub use code::*;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use files::*;

@@ -335,13 +335,13 @@ pub struct RunArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum SnapshotCommand {
-    /// Snapshot a sandbox's filesystem; prints the snapshot id.
+    /// Snapshot a sandbox (its filesystem; with --full its processes and memory too); prints the snapshot id.
     Create {
         id: String,
         /// Unique name to address it by.
         #[arg(long)]
         name: Option<String>,
-        /// Full-state snapshot (memory too), where the tier and host support it.
+        /// Full-state snapshot: processes and memory too, so that sandboxes started from it continue them (gvisor tier).
         #[arg(long)]
         full: bool,
         /// Metadata label (repeatable).

@@ -761,8 +761,14 @@ impl Sandboxes {
             slot: rec.slot,
             network: rec.network.clone(),
             keep_files,
+            restore: if keep_files {
+                None
+            } else {
+                self.full_image_of(rec.snapshot.as_deref())?
+            },
         };
         let config = agent_config(&rec.limits, tier.oom_counter_inside());
+        let restoring = spec.restore.is_some();
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
         self.db
@@ -772,6 +778,10 @@ impl Sandboxes {
         agent.wait_ready(Duration::from_secs(20)).await?;
         tracing::debug!(sandbox = %id, took = ?t.elapsed(), "agent ready");
         agent.configure(&config).await?;
+        if restoring && !rec.env.is_empty() {
+            // The restored agent has the snapshotted sandbox's environment; this one's goes over it.
+            agent.set_env(&rec.env).await?;
+        }
         self.db.set_tier_state(&id, SandboxState::Running, &state)?;
         Ok((agent, state))
     }
@@ -1127,6 +1137,15 @@ impl Sandboxes {
             return;
         };
         for rec in all {
+            // A snapshot, reset, pause or resume in progress may replace the sandbox's processes (a
+            // full-state snapshot restores them): it is looked at next time.
+            let lock = self.op_lock(&rec.id);
+            let Ok(_op) = lock.try_lock() else {
+                continue;
+            };
+            let Ok(Some(rec)) = self.db.get_sandbox(&rec.id) else {
+                continue;
+            };
             let (SandboxState::Running | SandboxState::Paused, Some(state), Some(tier)) = (
                 rec.state,
                 rec.tier_state.as_ref(),
@@ -1231,6 +1250,7 @@ impl Sandboxes {
             }
         }
         self.gc_layers();
+        self.sweep_checkpoints();
         self.trim_pool().await
     }
 

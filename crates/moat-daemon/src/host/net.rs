@@ -519,18 +519,18 @@ impl Network {
                     .context("configure the host end of the sandbox's veth pair")?;
             }
         }
-        run(
-            &["nsenter", &netns, "ip", "-batch", "-"],
-            // lo too: gVisor's netstack copies the namespace's interfaces as they are when the
-            // sandbox starts (the container tier's agent would bring it up itself).
-            &format!(
-                "link set lo up\n\
-                 addr add {ip}/30 dev eth0\n\
-                 link set eth0 up\n\
-                 route add default via {gw}\n"
-            ),
-        )
-        .context("configure the sandbox's eth0")
+        configure_sandbox_end(&netns, gw, ip)
+    }
+
+    /// Gives the sandbox's end of slot `slot` in the namespace at `netns` its address and route
+    /// again: gVisor's netstack takes them off the interface when it takes the interface over, and
+    /// a sandbox restored from a checkpoint into the same namespace finds them there again.
+    pub fn reconfigure_netns(&self, slot: u32, netns: &Path) -> Result<()> {
+        let path = netns
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("network namespace path is not UTF-8"))?;
+        let (gw, ip) = self.addresses(slot);
+        configure_sandbox_end(&format!("--net={path}"), gw, ip)
     }
 
     /// Removes a slot's interface (gone with the sandbox's namespace anyway) and its policy chain.
@@ -573,6 +573,23 @@ impl Network {
             .filter(|s| !live.contains(s))
             .collect()
     }
+}
+
+/// Address, route and links of a sandbox's end (`eth0`, and `lo`) in the namespace `netns`
+/// (`--net=PATH` for nsenter).
+fn configure_sandbox_end(netns: &str, gw: Ipv4Addr, ip: Ipv4Addr) -> Result<()> {
+    run(
+        &["nsenter", netns, "ip", "-batch", "-"],
+        // lo too: gVisor's netstack copies the namespace's interfaces as they are when the
+        // sandbox starts (the container tier's agent would bring it up itself).
+        &format!(
+            "link set lo up\n\
+             addr replace {ip}/30 dev eth0\n\
+             link set eth0 up\n\
+             route replace default via {gw}\n"
+        ),
+    )
+    .context("configure the sandbox's eth0")
 }
 
 #[cfg(test)]

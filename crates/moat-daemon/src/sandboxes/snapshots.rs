@@ -11,10 +11,25 @@ use moat_api::{
     SnapshotKind,
 };
 
+use std::os::unix::fs::PermissionsExt;
+
 use futures::StreamExt;
 
 use super::*;
 use crate::db::SnapshotRecord;
+
+/// Bytes of the regular files under `dir` (a checkpoint image: flat, runsc's files).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
 
 /// Deepest layer stack a snapshot may have (overlayfs' mount options must fit in one page).
 pub const MAX_LAYERS: usize = 48;
@@ -48,7 +63,7 @@ fn snapshot_to_api(r: &SnapshotRecord) -> Snapshot {
 
 impl Sandboxes {
     /// The lock that keeps snapshot, reset, pause and resume of one sandbox from interleaving.
-    fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+    pub(super) fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self
             .op_locks
             .lock()
@@ -96,6 +111,42 @@ impl Sandboxes {
             ));
         }
         Ok(snap)
+    }
+
+    /// Where the checkpoint image of full-state snapshot `snap_id` lives:
+    /// `<data_dir>/checkpoints/<snap_id>` (written by the tier, removed with the snapshot).
+    pub(super) fn checkpoint_dir(&self, snap_id: &str) -> std::path::PathBuf {
+        self.args.data_dir.join("checkpoints").join(snap_id)
+    }
+
+    /// The checkpoint image a sandbox started from snapshot `snap` continues from: Some for a
+    /// full-state snapshot that still exists.
+    pub(super) fn full_image_of(&self, snap: Option<&str>) -> Result<Option<std::path::PathBuf>> {
+        let Some(snap) = snap else { return Ok(None) };
+        Ok(self
+            .db
+            .get_snapshot(snap)?
+            .filter(|s| s.kind == SnapshotKind::Full)
+            .map(|s| self.checkpoint_dir(&s.id)))
+    }
+
+    /// At start-up: removes checkpoint images whose snapshot is gone (a crash between writing the
+    /// image and recording the snapshot, or during a delete).
+    pub(super) fn sweep_checkpoints(&self) {
+        let root = self.args.data_dir.join("checkpoints");
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if matches!(self.db.get_snapshot(&name), Ok(Some(s)) if s.id == name) {
+                continue;
+            }
+            tracing::warn!(leftover = %name, "removing a checkpoint image without a snapshot");
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                tracing::warn!("remove {}: {err}", e.path().display());
+            }
+        }
     }
 
     /// Removes layers no sandbox or snapshot uses any more.
@@ -207,12 +258,45 @@ impl Sandboxes {
                 rec.state.as_str()
             )));
         };
+        let snap_id = new_snapshot_id();
+        let full = req.kind == Some(SnapshotKind::Full);
         let scratch = self.layers.scratch()?;
-        let frozen = match tier.export_changes(id, state, &scratch).await {
-            Ok(d) => d,
-            Err(e) => {
+        let (frozen, image) = if full {
+            let image = self.checkpoint_dir(&snap_id);
+            let made = std::fs::create_dir_all(&image).and_then(|()| {
+                std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o700))
+            });
+            if let Err(e) = made {
                 let _ = crate::host::mount::remove_unmounted_tree(&scratch);
-                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+                return Err(ApiError::internal(format!(
+                    "create {}: {e}",
+                    image.display()
+                )));
+            }
+            // The agent's connection ends with the checkpoint; the next request reconnects.
+            self.agents.write().await.remove(id);
+            match tier.checkpoint(id, state, &scratch, &image).await {
+                Ok((d, new_state)) => {
+                    self.db.set_tier_state(id, rec.state, &new_state)?;
+                    self.agents.write().await.remove(id);
+                    (d, Some(image))
+                }
+                Err(e) => {
+                    let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                    let _ = std::fs::remove_dir_all(&image);
+                    return Err(match e.downcast_ref::<crate::tier::CheckpointRefused>() {
+                        Some(r) => ApiError::conflict(r.0.clone()),
+                        None => ApiError::internal(format!("full-state snapshot of {id}: {e:#}")),
+                    });
+                }
+            }
+        } else {
+            match tier.export_changes(id, state, &scratch).await {
+                Ok(d) => (d, None),
+                Err(e) => {
+                    let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                    return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+                }
             }
         };
         let layers = self.layers.clone();
@@ -226,15 +310,23 @@ impl Sandboxes {
             Ok(v) => v,
             Err(e) => {
                 let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                if let Some(image) = &image {
+                    let _ = std::fs::remove_dir_all(image);
+                }
                 return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
             }
         };
+        let size_bytes = size_bytes + image.as_deref().map_or(0, dir_bytes);
         let mut stack = rec.layers.clone();
         stack.push(digest);
         let snap = SnapshotRecord {
-            id: new_snapshot_id(),
+            id: snap_id,
             name: req.name,
-            kind: SnapshotKind::Filesystem,
+            kind: if full {
+                SnapshotKind::Full
+            } else {
+                SnapshotKind::Filesystem
+            },
             sandbox_id: rec.id.clone(),
             template: rec.template.clone(),
             isolation: rec.isolation,
@@ -253,6 +345,9 @@ impl Sandboxes {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Err(e) = self.db.insert_snapshot(&snap) {
                 drop(_g);
+                if let Some(image) = &image {
+                    let _ = std::fs::remove_dir_all(image);
+                }
                 self.gc_layers();
                 let msg = format!("{e:#}");
                 return Err(if msg.contains("UNIQUE") {
@@ -284,6 +379,12 @@ impl Sandboxes {
     pub fn delete_snapshot(&self, id_or_name: &str) -> ApiResult<()> {
         let snap = self.snapshot_record("id", id_or_name)?;
         self.db.delete_snapshot(&snap.id)?;
+        let image = self.checkpoint_dir(&snap.id);
+        if image.exists() {
+            if let Err(e) = std::fs::remove_dir_all(&image) {
+                tracing::warn!(snapshot = %snap.id, "remove {}: {e}", image.display());
+            }
+        }
         self.gc_layers();
         tracing::info!(snapshot = %snap.id, "snapshot deleted");
         Ok(())

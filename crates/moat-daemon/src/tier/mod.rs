@@ -35,7 +35,23 @@ pub struct SandboxSpec {
     /// Start over the writable layer an earlier instance left ([`IsolationTier::release`]) instead of
     /// an empty one: a paused sandbox whose processes ended with the host comes back with its files.
     pub keep_files: bool,
+    /// A full-state snapshot's image ([`IsolationTier::checkpoint`]) to continue from: the sandbox's
+    /// processes go on from where they were, over `layers`. None: the agent starts afresh.
+    pub restore: Option<PathBuf>,
 }
+
+/// A full-state snapshot the sandbox's own state rules out (not a failure of the host): the API
+/// answers 409 with this message.
+#[derive(Debug)]
+pub struct CheckpointRefused(pub String);
+
+impl std::fmt::Display for CheckpointRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CheckpointRefused {}
 
 /// What a sandbox uses now.
 #[derive(Debug, Clone, Copy, Default)]
@@ -146,6 +162,24 @@ pub trait IsolationTier: Send + Sync {
 
     /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
     fn full_snapshot_unsupported(&self) -> Option<String>;
+
+    /// Takes a full-state snapshot: the sandbox's processes and memory go to `image` (an empty
+    /// directory) and the changes of its writable layer to `changes` (as [`Self::export_changes`]),
+    /// both of one instant; the sandbox goes on running (or stays paused). Returns how long its
+    /// processes were stopped and its tier state afterwards, which may have changed.
+    async fn checkpoint(
+        &self,
+        _id: &str,
+        _state: &serde_json::Value,
+        _changes: &std::path::Path,
+        _image: &std::path::Path,
+    ) -> Result<(std::time::Duration, serde_json::Value)> {
+        anyhow::bail!(
+            "{}",
+            self.full_snapshot_unsupported()
+                .unwrap_or_else(|| "full-state snapshots are not supported".into())
+        )
+    }
 
     /// Removes the instance — processes, cgroup, network, mounts — but keeps its writable layer, for
     /// a later `create` with `keep_files`. Idempotent; works from the id alone.

@@ -124,6 +124,9 @@ impl ContainerTier {
         for sub in ["lower", "rootfs"] {
             std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("mkdir {sub}"))?;
         }
+        if spec.restore.is_some() {
+            bail!("the container tier cannot restore full-state snapshots");
+        }
         let layer = super::layer::prepare(&dir, &spec.limits, spec.keep_files)?;
         // The overlay's root directory is the upper layer's: make it the sandbox root's.
         nix::unistd::chown(

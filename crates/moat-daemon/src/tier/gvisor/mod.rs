@@ -38,6 +38,11 @@ pub const AGENT_PATH_INSIDE: &str = "/dev/.moat/agent";
 /// The directory, inside, where the agent binds its socket (a host directory).
 const SOCK_DIR_INSIDE: &str = "/dev/.moat/sock";
 const SOCK_NAME: &str = "agent.sock";
+use moat_api::checkpoint::{
+    QUIESCED as AGENT_QUIESCED, REFUSED as AGENT_REFUSED, REQUEST as AGENT_CHECKPOINT_REQUEST,
+};
+/// In a sandbox's directory while it is being checkpointed: connecting waits for the agent.
+const CHECKPOINTING: &str = "checkpointing";
 
 /// What the daemon stores to find a gvisor sandbox again.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -250,23 +255,70 @@ impl GvisorTier {
 
         self.cgroups
             .create(&spec.id, &cgroup_limits(&spec.limits))?;
+        let state = match &spec.restore {
+            Some(image) => {
+                check_image(image, &self.agent)?;
+                self.restore_instance(&spec.id, image, net_slot)?
+            }
+            None => {
+                let console =
+                    std::fs::File::create(dir.join("console.log")).context("create console.log")?;
+                let mut cmd = self.command(net_slot.is_some())?;
+                cmd.arg("create")
+                    .arg(format!("--bundle={}", dir.display()))
+                    .arg(format!("--pid-file={}", dir.join("pid").display()))
+                    .arg(&spec.id)
+                    .stdout(console.try_clone()?)
+                    .stderr(console);
+                self.in_sandbox_cgroup(&mut cmd, &spec.id, false)?;
+                let status = cmd.status().context("run runsc create")?;
+                if !status.success() {
+                    bail!("runsc create: {}", self.console_tail(&spec.id));
+                }
+                self.start(&spec.id, net_slot.is_some())?;
+                self.instance_state(&spec.id, net_slot)?
+            }
+        };
+        Ok(state)
+    }
+
+    /// The state of the sandbox runsc just started (its pid file, the host processes of its cgroup).
+    fn instance_state(&self, id: &str, net_slot: Option<u32>) -> Result<GvisorState> {
+        let pid: u32 = std::fs::read_to_string(self.dir(id).join("pid"))
+            .context("read runsc's pid file")?
+            .trim()
+            .parse()
+            .context("parse runsc's pid file")?;
+        let sandbox_start_ticks = proc::start_ticks(pid).ok_or_else(|| {
+            anyhow!(
+                "the gVisor sandbox exited at start: {}",
+                self.console_tail(id)
+            )
+        })?;
+        Ok(GvisorState {
+            sandbox_pid: pid,
+            sandbox_start_ticks,
+            net_slot,
+            host_pids: self.cgroups.pids(id),
+        })
+    }
+
+    /// Makes `cmd` (a runsc that starts the sandbox's Sentry and gofer) start inside the sandbox's
+    /// cgroup, so that everything it forks is limited and accounted there; with `private_net_proc`
+    /// also in a private mount namespace with an empty /proc/sys/net (see [`Self::start`]).
+    fn in_sandbox_cgroup(&self, cmd: &mut Command, id: &str, private_net_proc: bool) -> Result<()> {
         let procs: Vec<std::ffi::CString> = self
             .cgroups
-            .dirs(&spec.id)
+            .dirs(id)
             .iter()
             .map(|d| std::ffi::CString::new(d.join("cgroup.procs").as_os_str().as_encoded_bytes()))
             .collect::<Result<_, _>>()?;
-        let console =
-            std::fs::File::create(dir.join("console.log")).context("create console.log")?;
-        let mut cmd = self.command(net_slot.is_some())?;
-        cmd.arg("create")
-            .arg(format!("--bundle={}", dir.display()))
-            .arg(format!("--pid-file={}", dir.join("pid").display()))
-            .arg(&spec.id)
-            .stdout(console.try_clone()?)
-            .stderr(console);
-        // SAFETY: between fork and exec only open/write/close, which are async-signal-safe, on
-        // C strings made before the fork.
+        let root = c"/";
+        let target = c"/proc/sys/net";
+        let fstype = c"tmpfs";
+        let source = c"none";
+        // SAFETY: between fork and exec only open/write/close/unshare/mount, which are
+        // async-signal-safe, on C strings made before the fork; nothing is allocated.
         unsafe {
             cmd.pre_exec(move || {
                 for p in &procs {
@@ -280,31 +332,81 @@ impl GvisorTier {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
+                if private_net_proc && !hide_proc_sys_net(root, target, fstype, source) {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }
-        let status = cmd.status().context("run runsc create")?;
+        Ok(())
+    }
+
+    /// Starts the sandbox `id` (its bundle is in place) from the checkpoint `image`, its processes
+    /// where they were, and lets its agent listen again.
+    fn restore_instance(
+        &self,
+        id: &str,
+        image: &Path,
+        net_slot: Option<u32>,
+    ) -> Result<GvisorState> {
+        let dir = self.dir(id);
+        let console = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("console.log"))
+            .context("open console.log")?;
+        let networked = net_slot.is_some();
+        let mut cmd = self.command(networked)?;
+        cmd.arg("restore")
+            .arg("--detach")
+            .arg(format!("--image-path={}", image.display()))
+            .arg(format!("--bundle={}", dir.display()))
+            .arg(format!("--pid-file={}", dir.join("pid").display()))
+            .arg(id)
+            .stdout(console.try_clone()?)
+            .stderr(console);
+        self.in_sandbox_cgroup(&mut cmd, id, networked)?;
+        let status = cmd.status().context("run runsc restore")?;
         if !status.success() {
-            bail!("runsc create: {}", self.console_tail(&spec.id));
+            bail!("runsc restore: {}", self.console_tail(id));
         }
-        self.start(&spec.id, net_slot.is_some())?;
-        let pid: u32 = std::fs::read_to_string(dir.join("pid"))
-            .context("read runsc's pid file")?
-            .trim()
-            .parse()
-            .context("parse runsc's pid file")?;
-        let sandbox_start_ticks = proc::start_ticks(pid).ok_or_else(|| {
-            anyhow!(
-                "the gVisor sandbox exited at start: {}",
-                self.console_tail(&spec.id)
-            )
-        })?;
-        Ok(GvisorState {
-            sandbox_pid: pid,
-            sandbox_start_ticks,
-            net_slot,
-            host_pids: self.cgroups.pids(&spec.id),
-        })
+        let state = self.instance_state(id, net_slot)?;
+        self.wake_agent(id, networked)?;
+        Ok(state)
+    }
+
+    /// The agent's socket file, opened as a path only (O_PATH) and never through a symlink.
+    fn open_agent_socket(&self, id: &str) -> std::io::Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(self.dir(id).join("sock").join(SOCK_NAME))
+    }
+
+    /// Whether the agent's socket takes a connection (opened without following a symlink).
+    fn agent_listens(&self, id: &str) -> bool {
+        let Ok(file) = self.open_agent_socket(id) else {
+            return false;
+        };
+        file.metadata().is_ok_and(|m| m.file_type().is_socket())
+            && std::os::unix::net::UnixStream::connect(format!(
+                "/proc/self/fd/{}",
+                file.as_raw_fd()
+            ))
+            .is_ok()
+    }
+
+    /// Tells a quiesced agent (SIGUSR1, [`Self::checkpoint_blocking`]) to listen again, and waits
+    /// for its socket.
+    fn wake_agent(&self, id: &str, networked: bool) -> Result<()> {
+        let sock = self.dir(id).join("sock").join(SOCK_NAME);
+        // The agent binds a new socket file; the old one (no longer bound) is in the way.
+        remove_if_exists(&sock)?;
+        self.runsc_run(networked, &["kill", id, "USR2"])?;
+        if !wait_for(Duration::from_secs(10), || sock.exists()) {
+            bail!("the sandbox's agent did not listen again after its checkpoint");
+        }
+        Ok(())
     }
 
     /// `runsc start`. With a network, it runs in a private mount namespace with an empty /proc/sys/net:
@@ -323,22 +425,7 @@ impl GvisorTier {
             // strings; nothing is allocated between fork and exec.
             unsafe {
                 cmd.pre_exec(move || {
-                    if libc::unshare(libc::CLONE_NEWNS) != 0
-                        || libc::mount(
-                            std::ptr::null(),
-                            root.as_ptr(),
-                            std::ptr::null(),
-                            libc::MS_REC | libc::MS_PRIVATE,
-                            std::ptr::null(),
-                        ) != 0
-                        || libc::mount(
-                            source.as_ptr(),
-                            target.as_ptr(),
-                            fstype.as_ptr(),
-                            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                            std::ptr::null(),
-                        ) != 0
-                    {
+                    if !hide_proc_sys_net(root, target, fstype, source) {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
@@ -544,6 +631,306 @@ impl GvisorTier {
         resumed?;
         Ok(frozen_for)
     }
+
+    /// (inode, path inside) of the Unix sockets bound to a file path that the sandbox's gofer holds
+    /// (the host sockets `--host-uds=create` makes, the agent's included), read on the host from
+    /// the gofer's descriptors and its network namespace's socket table.
+    fn gofer_sockets(&self, id: &str) -> Vec<(String, String)> {
+        let mut held = Vec::new();
+        for pid in self.cgroups.pids(id) {
+            let is_gofer = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"runsc-gofer"));
+            if !is_gofer {
+                continue;
+            }
+            let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy();
+                    Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                })
+                .collect();
+            let table =
+                std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap_or_default();
+            held.extend(
+                moat_api::unix_sockets_bound_to_paths(&table)
+                    .into_iter()
+                    .filter(|(inode, _)| inodes.contains(inode)),
+            );
+        }
+        held
+    }
+
+    /// Full-state snapshot: the agent lets go of its host socket (gVisor cannot save one, nor a
+    /// socket a process bound to a file: the agent refuses then), runsc pauses the sandbox and
+    /// writes its memory and processes to `image`, the checkpointed Sentry is ended (this runsc
+    /// ends it on resume anyway), the writable layer (complete on the host: the Sentry flushes what
+    /// it caches before it saves) is copied to `changes`, and the same sandbox is restored from the
+    /// image in its own directory, cgroup and network namespace, its processes going on.
+    fn checkpoint_blocking(
+        &self,
+        id: &str,
+        state: &GvisorState,
+        changes: &Path,
+        image: &Path,
+    ) -> Result<(Duration, GvisorState)> {
+        let marker = self.dir(id).join(CHECKPOINTING);
+        std::fs::File::create(&marker).context("create the checkpoint marker")?;
+        let res = self.checkpoint_inner(id, state, changes, image);
+        let _ = std::fs::remove_file(&marker);
+        res
+    }
+
+    fn checkpoint_inner(
+        &self,
+        id: &str,
+        state: &GvisorState,
+        changes: &Path,
+        image: &Path,
+    ) -> Result<(Duration, GvisorState)> {
+        let networked = state.net_slot.is_some();
+        let dir = self.dir(id);
+        let sock = dir.join("sock").join(SOCK_NAME);
+        let was_paused = self.cgroups.is_frozen(id);
+        if was_paused {
+            // The agent must run to let go of its socket; it is paused again at the end.
+            self.cgroups.set_frozen(id, false)?;
+            if self.runsc_status(id, networked)?.as_deref() == Some("paused") {
+                self.runsc_run(networked, &["resume", id])?;
+            }
+        }
+        let repause = |this: &Self| -> Result<()> {
+            if was_paused {
+                this.sync_inside(id, networked)?;
+                this.runsc_run(networked, &["pause", id])?;
+                this.cgroups.set_frozen(id, true)?;
+            }
+            Ok(())
+        };
+        std::fs::write(
+            image.join(IMAGE_META),
+            serde_json::to_vec(&ImageMeta {
+                agent: self.agent.clone(),
+                runsc: self.runsc()?.version.clone(),
+            })?,
+        )
+        .context("write the image description")?;
+        // The agent lets go of its socket on SIGUSR1 when asked for it here first, and says so with
+        // a file (inside, gVisor cannot remove a host socket's file: the daemon does). The
+        // directory is writable from inside: nothing in it is followed or trusted.
+        let sock_dir = dir.join("sock");
+        let request = sock_dir.join(AGENT_CHECKPOINT_REQUEST);
+        let quiesced = sock_dir.join(AGENT_QUIESCED);
+        let refused = sock_dir.join(AGENT_REFUSED);
+        for f in [&request, &quiesced, &refused] {
+            remove_if_exists(f)?;
+        }
+        // Host sockets that exist before the agent looks (a socket bound later is one it missed).
+        let before: HashSet<String> = self
+            .gofer_sockets(id)
+            .into_iter()
+            .map(|(inode, _)| inode)
+            .collect();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(&request)
+            .context("create the checkpoint request")?;
+        self.runsc_run(networked, &["kill", id, "USR1"])?;
+        let answered = wait_for(Duration::from_secs(10), || {
+            std::fs::symlink_metadata(&quiesced).is_ok()
+                || std::fs::symlink_metadata(&refused).is_ok()
+        });
+        let refusal = read_small_file(&refused);
+        let let_go = std::fs::symlink_metadata(&quiesced).is_ok();
+        for f in [&request, &quiesced, &refused] {
+            remove_if_exists(f)?;
+        }
+        if let Some(paths) = refusal.filter(|_| !let_go) {
+            repause(self)?;
+            return Err(refused_for_sockets(id, &paths).into());
+        }
+        remove_if_exists(&sock)?;
+        if !answered || !let_go {
+            let _ = self.wake_agent(id, networked);
+            repause(self)?;
+            bail!("the sandbox's agent did not let go of its socket for the checkpoint");
+        }
+        let started = std::time::Instant::now();
+        // A checkpoint that fails ends the sandbox (this runsc's Sentry exits, or exits when
+        // resumed), so what would make it fail is ruled out first. The agent found no socket bound
+        // to a file (runsc cannot save those host sockets); paused, the sandbox can bind no new one,
+        // and one bound since the agent looked is a new socket of the gofer.
+        let resume_and_wake = |this: &Self| -> Result<()> {
+            this.runsc_run(networked, &["resume", id])?;
+            let woke = this.wake_agent(id, networked);
+            repause(this)?;
+            woke
+        };
+        self.runsc_run(networked, &["pause", id])?;
+        let new: Vec<String> = self
+            .gofer_sockets(id)
+            .into_iter()
+            .filter(|(inode, _)| !before.contains(inode))
+            .map(|(_, path)| path)
+            .collect();
+        if !new.is_empty() {
+            resume_and_wake(self)?;
+            return Err(refused_for_sockets(id, &new.join("\n")).into());
+        }
+        let out = self
+            .command(networked)?
+            .args([
+                "checkpoint",
+                &format!("--image-path={}", image.display()),
+                id,
+            ])
+            .output()
+            .context("run runsc checkpoint")?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let _ = resume_and_wake(self);
+            // runsc's message ends with a dump of the object it could not save: keep its head.
+            let msg: String = last_line(&stderr).chars().take(400).collect();
+            bail!("runsc checkpoint: {msg}");
+        }
+        // The checkpointed Sentry would end when resumed: end it (and the gofer) now, and drop
+        // runsc's record of the container; the cgroup, network and mounts stay for the restore.
+        self.cgroups.kill_all(id, Duration::from_secs(10))?;
+        let mut gone = state.host_pids.clone();
+        gone.push(state.sandbox_pid);
+        for pid in gone {
+            super::container::reap(pid);
+        }
+        let _ = self.runsc_run(networked, &["delete", "--force", id]);
+        let copied = super::layer::copy(&super::layer::upper(&dir), changes);
+        if let (Some(net), Some(slot)) = (&self.net, state.net_slot) {
+            net.reconfigure_netns(slot, &dir.join("netns"))?;
+        }
+        let restored = self.restore_instance(id, image, state.net_slot);
+        let stopped_for = started.elapsed();
+        let restored = restored.context("the sandbox did not come back after its checkpoint")?;
+        copied?;
+        repause(self)?;
+        Ok((stopped_for, restored))
+    }
+}
+
+/// In a child between fork and exec: a private mount namespace with an empty tmpfs over
+/// /proc/sys/net (see [`GvisorTier::start`]). False (errno set) when a call failed.
+///
+/// # Safety
+/// Only async-signal-safe system calls on the given C strings; callable between fork and exec.
+unsafe fn hide_proc_sys_net(
+    root: &std::ffi::CStr,
+    target: &std::ffi::CStr,
+    fstype: &std::ffi::CStr,
+    source: &std::ffi::CStr,
+) -> bool {
+    // SAFETY: plain system calls on valid NUL-terminated strings that outlive the calls.
+    unsafe {
+        libc::unshare(libc::CLONE_NEWNS) == 0
+            && libc::mount(
+                std::ptr::null(),
+                root.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) == 0
+            && libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                std::ptr::null(),
+            ) == 0
+    }
+}
+
+/// The answer to a full-state snapshot of a sandbox holding Unix sockets bound to files (`paths`,
+/// one per line, as the agent wrote them: shown escaped and bounded).
+fn refused_for_sockets(id: &str, paths: &str) -> super::CheckpointRefused {
+    let shown: Vec<String> = paths
+        .lines()
+        .filter(|l| !l.is_empty())
+        .take(8)
+        .map(|l| format!("{:?}", l.chars().take(200).collect::<String>()))
+        .collect();
+    super::CheckpointRefused(format!(
+        "processes in sandbox {id} hold Unix sockets bound to files ({}): on gvisor those are host sockets, which runsc cannot save; close them, or bind abstract sockets or sockets on a tmpfs, for a full-state snapshot, or take a filesystem snapshot",
+        shown.join(", ")
+    ))
+}
+
+/// Up to 64 KiB of a file the sandbox wrote, never following a symlink; None when it is not there.
+fn read_small_file(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut buf = Vec::new();
+    f.take(64 << 10).read_to_end(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Removes a file (never following a symlink); fine when it is not there.
+fn remove_if_exists(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("remove {}", path.display())),
+    }
+}
+
+/// Polls `done` every 5 ms until it holds (true) or `timeout` passes (false).
+fn wait_for(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let until = std::time::Instant::now() + timeout;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// What a checkpoint image was taken with, next to runsc's files in its directory.
+#[derive(Debug, Serialize, Deserialize)]
+struct ImageMeta {
+    /// The agent binary the sandbox ran: its processes' memory maps it, so a restore needs the same.
+    agent: PathBuf,
+    runsc: String,
+}
+
+const IMAGE_META: &str = "moat-image.json";
+
+/// Checks that a checkpoint image can be restored by this daemon (same agent binary).
+fn check_image(image: &Path, agent: &Path) -> Result<()> {
+    let meta: ImageMeta = serde_json::from_slice(
+        &std::fs::read(image.join(IMAGE_META))
+            .with_context(|| format!("read {}", image.join(IMAGE_META).display()))?,
+    )
+    .context("checkpoint image description")?;
+    if meta.agent != agent {
+        bail!(
+            "this full-state snapshot was taken with agent {} and this daemon runs {}: its processes cannot continue here (start from it as a filesystem snapshot by resetting, or take a new one)",
+            meta.agent.display(),
+            agent.display()
+        );
+    }
+    Ok(())
 }
 
 /// Makes a new network namespace held by a bind mount at `path` (an empty file is made for it). The
@@ -610,11 +997,16 @@ impl IsolationTier for GvisorTier {
         // a symlink, check it is a socket, and connect through the descriptor, so a hostile sandbox
         // cannot point the daemon at another socket of the host.
         let path = self.dir(id).join("sock").join(SOCK_NAME);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .with_context(|| format!("open {}", path.display()))?;
+        let open = || self.open_agent_socket(id);
+        // While a full-state snapshot is taken the agent has no socket: wait for it (bounded).
+        let marker = self.dir(id).join(CHECKPOINTING);
+        let mut file = open();
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while file.is_err() && marker.exists() && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            file = open();
+        }
+        let file = file.with_context(|| format!("open {}", path.display()))?;
         if !file.metadata()?.file_type().is_socket() {
             bail!("{} is not a socket", path.display());
         }
@@ -679,6 +1071,15 @@ impl IsolationTier for GvisorTier {
             if this.runsc_status(&id, networked)?.as_deref() == Some("paused") {
                 this.runsc_run(networked, &["resume", &id])?;
             }
+            // A daemon that went down during a full-state snapshot may have left the agent
+            // without its socket: it listens again.
+            let marker = this.dir(&id).join(CHECKPOINTING);
+            if marker.exists() {
+                if !this.agent_listens(&id) {
+                    this.wake_agent(&id, networked)?;
+                }
+                remove_if_exists(&marker)?;
+            }
             Ok(())
         })
         .await?
@@ -698,10 +1099,27 @@ impl IsolationTier for GvisorTier {
     }
 
     fn full_snapshot_unsupported(&self) -> Option<String> {
-        Some(
-            "full-state snapshots of the gvisor tier are not implemented yet; take a filesystem snapshot (kind \"filesystem\") instead"
-                .into(),
-        )
+        self.runsc
+            .is_none()
+            .then(|| "the gvisor tier needs runsc, which is not installed on this host".into())
+    }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        changes: &Path,
+        image: &Path,
+    ) -> Result<(Duration, serde_json::Value)> {
+        let state = parse_state(state)?;
+        let this = self.clone();
+        let id = id.to_string();
+        let (changes, image) = (changes.to_path_buf(), image.to_path_buf());
+        let (took, state) = tokio::task::spawn_blocking(move || {
+            this.checkpoint_blocking(&id, &state, &changes, &image)
+        })
+        .await??;
+        Ok((took, serde_json::to_value(state)?))
     }
 
     fn host_network(&self) -> Option<&crate::host::net::Network> {
@@ -786,6 +1204,7 @@ mod tests {
             slot: 3,
             network: None,
             keep_files: false,
+            restore: None,
         }
     }
 
