@@ -845,6 +845,20 @@ async fn full_snapshot_continues_a_counting_process() {
 
     c.delete_snapshot(&snap.id).await.unwrap();
     assert!(!image.exists(), "{} left behind", image.display());
+    // A paused sandbox stays paused through a full-state snapshot, and goes on when resumed.
+    c.pause_sandbox(&sbx.id).await.unwrap();
+    let paused = c.create_snapshot(&sbx.id, &full).await.unwrap();
+    assert_eq!(
+        c.get_sandbox(&sbx.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    c.resume_sandbox(&sbx.id, &ResumeRequest::default())
+        .await
+        .unwrap();
+    let at_resume = ticks(&c, &sbx.id).await;
+    let seen = counter_output_past(&c, &sbx.id, at_resume + 2).await;
+    assert_eq!(seen[..5], [1, 2, 3, 4, 5], "{seen:?}");
+    c.delete_snapshot(&paused.id).await.unwrap();
     for s in [&sbx.id, a, b] {
         c.delete_sandbox(s).await.unwrap();
     }

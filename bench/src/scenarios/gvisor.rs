@@ -18,7 +18,9 @@ pub const INTRO: &str = "moat's `gvisor` tier (runsc, platform ptrace, the Sentr
      pool), one `true` exec'd in a running sandbox, and a syscall-heavy command (`dd if=/dev/zero \
      of=/dev/null bs=1 count=20000`: 40,000 read/write syscalls, each one served by gVisor's \
      Sentry on the gvisor tier; a tenth of scenario 8's, as gVisor's ptrace platform makes each one \
-     cost tens of microseconds). Floor: the same `dd` on the host.";
+     cost tens of microseconds). Floor: the same `dd` on the host. Then a full-state snapshot of the \
+     running gvisor sandbox (`kind: \"full\"`) and a sandbox started from it (a fork whose processes \
+     continue), to compare with the cold create.";
 
 const SYSCALL_HEAVY: [&str; 5] = ["dd", "if=/dev/zero", "of=/dev/null", "bs=1", "count=20000"];
 
@@ -47,13 +49,21 @@ pub async fn run(ctx: &Ctx<'_>, section: &mut Section) -> Result<()> {
         ),
         Row::new("`runsc do` syscall-heavy `dd`", "gVisor, no agent"),
         Row::new("`dd` on the host (floor)", "no sandbox"),
+        Row::new(
+            "**moat gvisor** full-state snapshot",
+            "runsc checkpoint + the sandbox restored in place",
+        ),
+        Row::new(
+            "**moat gvisor** start from it → exit of `true`",
+            "runsc restore, processes continue",
+        ),
     ];
     for r in &mut rows[3..] {
         r.ratio = false;
     }
     let runsc_state = ctx.cleanup.peers.runsc.clone().filter(|_| ctx.tools.runsc);
     if runsc_state.is_none() {
-        for i in [0, 2, 3, 5, 7] {
+        for i in [0, 2, 3, 5, 7, 9, 10] {
             rows[i].status = missing("runsc");
         }
         section.push(report::table(&rows, 0));
@@ -101,6 +111,41 @@ pub async fn run(ctx: &Ctx<'_>, section: &mut Section) -> Result<()> {
         }
         sample.push(peers::time_cmd(&runsc_do(&SYSCALL_HEAVY))?);
         sample.push(peers::time_cmd(&host)?);
+        let t = Instant::now();
+        let snap = client
+            .create_snapshot(
+                &gv.id,
+                &moat_api::CreateSnapshotRequest {
+                    kind: Some(moat_api::SnapshotKind::Full),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        sample.push(t.elapsed());
+        let t = Instant::now();
+        let forks = client
+            .fork(
+                &snap.id,
+                &moat_api::ForkRequest {
+                    count: 1,
+                    timeout: Some(900),
+                    metadata: std::collections::BTreeMap::from([(
+                        crate::cleanup::LABEL.to_string(),
+                        "1".to_string(),
+                    )]),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        for f in &forks {
+            ctx.cleanup.add_sandbox(&f.id);
+        }
+        moat::run_true(client, &forks[0].id).await?;
+        sample.push(t.elapsed());
+        for f in &forks {
+            moat::delete(client, &f.id, ctx.cleanup).await?;
+        }
+        client.delete_snapshot(&snap.id).await?;
         if timed {
             for (r, d) in rows.iter_mut().zip(sample) {
                 r.samples.push(d);

@@ -163,6 +163,8 @@ pub struct Processes {
     ring_cap: AtomicUsize,
     /// RLIMIT_NOFILE of new processes; 0 leaves the agent's own.
     nofile: AtomicU64,
+    /// RLIMIT_NPROC of new processes; 0 leaves the agent's own.
+    nproc: AtomicU64,
     /// Timeout (ms) of processes whose request gives none; 0: none.
     pub default_timeout_ms: AtomicU64,
     /// File with the sandbox's `oom_kill N` counter.
@@ -183,6 +185,7 @@ impl Processes {
             spawned: (Mutex::new(0), Condvar::new()),
             ring_cap: AtomicUsize::new(ring_cap),
             nofile: AtomicU64::new(0),
+            nproc: AtomicU64::new(0),
             default_timeout_ms: AtomicU64::new(0),
             oom_counter: Mutex::new(None),
         })
@@ -192,6 +195,9 @@ impl Processes {
     pub fn configure(&self, c: &moat_api::AgentConfig) {
         if let Some(n) = c.nofile {
             self.nofile.store(n, Ordering::SeqCst);
+        }
+        if let Some(n) = c.nproc {
+            self.nproc.store(n, Ordering::SeqCst);
         }
         if let Some(n) = c.output_bytes {
             self.ring_cap.store(n as usize, Ordering::SeqCst);
@@ -255,6 +261,7 @@ impl Processes {
     ) -> Result<(Arc<Proc>, Option<Reader>), ApiError> {
         let ring = Ring::new(self.ring_cap.load(Ordering::SeqCst));
         let nofile = self.nofile.load(Ordering::SeqCst);
+        let nproc = self.nproc.load(Ordering::SeqCst);
         let oom_before = self.oom_kills();
         let reader = attach.then(|| ring.attach(true));
         let mut cmd = Command::new(&spec.program);
@@ -313,6 +320,15 @@ impl Processes {
                         rlim_max: nofile,
                     };
                     if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if nproc > 0 {
+                    let lim = libc::rlimit {
+                        rlim_cur: nproc,
+                        rlim_max: nproc,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NPROC, &lim) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                 }

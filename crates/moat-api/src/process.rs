@@ -184,6 +184,10 @@ pub struct AgentConfig {
     /// another SIGKILL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oom_counter: Option<String>,
+    /// RLIMIT_NPROC (soft and hard) of every started process: the process limit where the sandbox's
+    /// processes are not host processes a cgroup could count (the gvisor tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nproc: Option<u64>,
 }
 
 /// A process selector from a path segment: digits are a pid, anything else a tag.

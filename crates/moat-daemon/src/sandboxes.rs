@@ -230,12 +230,13 @@ fn limits_over(base: &SandboxLimits, req: &CreateSandboxRequest) -> SandboxLimit
     }
 }
 
-fn agent_config(l: &SandboxLimits, oom_counter: Option<String>) -> AgentConfig {
+fn agent_config(l: &SandboxLimits, tier: &dyn IsolationTier) -> AgentConfig {
     AgentConfig {
         nofile: Some(l.nofile),
         output_bytes: Some(l.output_bytes),
         command_timeout: Some(l.command_timeout as f64),
-        oom_counter,
+        oom_counter: tier.oom_counter_inside(),
+        nproc: tier.process_limit_inside().then_some(l.pids),
     }
 }
 
@@ -671,7 +672,7 @@ impl Sandboxes {
                 .map_err(|e| anyhow::anyhow!("{}", e.0))?;
             if claim.limits != defaults {
                 agent
-                    .configure(&agent_config(&claim.limits, tier.oom_counter_inside()))
+                    .configure(&agent_config(&claim.limits, tier.as_ref()))
                     .await?;
             }
             if !claim.env.is_empty() {
@@ -767,7 +768,7 @@ impl Sandboxes {
                 self.full_image_of(rec.snapshot.as_deref())?
             },
         };
-        let config = agent_config(&rec.limits, tier.oom_counter_inside());
+        let config = agent_config(&rec.limits, tier.as_ref());
         let restoring = spec.restore.is_some();
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
@@ -1159,7 +1160,18 @@ impl Sandboxes {
             {
                 continue;
             }
-            tracing::warn!(sandbox = %rec.id, "its PID 1 is gone; removing the sandbox");
+            // Its cgroup is still there: an OOM kill counted there says why (on gvisor the host's OOM
+            // killer ends the Sentry, and the sandbox with it, when the memory limit is hit).
+            let oom_kills = tier
+                .usage(&rec.id, state)
+                .await
+                .map(|u| u.oom_kills)
+                .unwrap_or(0);
+            if oom_kills > 0 {
+                tracing::warn!(sandbox = %rec.id, oom_kills, "it ran out of memory: the host's OOM killer ended it; removing the sandbox");
+            } else {
+                tracing::warn!(sandbox = %rec.id, "its PID 1 is gone; removing the sandbox");
+            }
             if let Err(e) = self.destroy(rec).await {
                 tracing::error!("{e:#}");
             }

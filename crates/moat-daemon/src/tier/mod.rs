@@ -118,6 +118,12 @@ pub trait IsolationTier: Send + Sync {
         None
     }
 
+    /// Whether the sandbox's processes are not host processes (so a cgroup cannot count them): the
+    /// agent then gives every process it starts RLIMIT_NPROC = the sandbox's `pids` limit.
+    fn process_limit_inside(&self) -> bool {
+        false
+    }
+
     /// Freezes every process of the sandbox.
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()>;
 

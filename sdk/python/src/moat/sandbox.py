@@ -245,8 +245,10 @@ class Sandbox:
         ``snapshot=``, :meth:`fork`, :meth:`reset`). Its processes are frozen while the changes are copied
         (``frozen_ms``); it keeps running. ``name``: a unique name usable instead of the id.
 
-        ``kind="full"`` (memory too) raises :class:`UnavailableError` (``field == "kind"``) where the host
-        cannot checkpoint processes; its message says why.
+        ``kind="full"`` saves the processes with their memory too (gvisor tier): sandboxes started from the
+        snapshot continue them. It raises :class:`ConflictError` when processes hold Unix sockets bound to
+        files (the message names them), and :class:`UnavailableError` (``field == "kind"``) where the
+        tier cannot checkpoint processes; its message says why.
         """
         d = self._api.json("POST", f"/v1/sandboxes/{self.id}/snapshots",
                            json=_core.snapshot_body(name, metadata, kind), timeout=LONG_REQUEST_TIMEOUT)

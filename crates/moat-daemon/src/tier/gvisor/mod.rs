@@ -83,14 +83,21 @@ fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
     Limits {
         cpu: l.cpu,
         memory_bytes: l.memory_mb << 20,
-        // Host threads of the Sentry and gofer (the sandbox's own processes are not host processes):
-        // the limit bounds what the sandbox costs the host, with room for the Sentry's own threads.
-        pids: l.pids.saturating_add(SENTRY_THREADS),
+        // Host threads of the Sentry, its stubs and the gofer (the sandbox's own processes are not
+        // host processes; the Sentry holds them to `pids` itself, RLIMIT_NPROC): the limit bounds
+        // what the sandbox costs the host, with room for what its `pids` processes need.
+        pids: l
+            .pids
+            .saturating_mul(HOST_THREADS_PER_PROCESS)
+            .saturating_add(SENTRY_THREADS),
     }
 }
 
-/// Host threads the Sentry and gofer need besides one per busy sandbox thread.
+/// Host threads the Sentry and gofer need for themselves.
 const SENTRY_THREADS: u64 = 256;
+/// Host threads per sandbox process: with the ptrace platform each address space is a stub process
+/// whose threads the Sentry traces (about 12 per process measured here: 40 `sleep`s took 473).
+const HOST_THREADS_PER_PROCESS: u64 = 16;
 
 /// Looks for runsc on PATH (and in /usr/sbin, /usr/bin) and asks its version.
 fn find_runsc() -> Option<Runsc> {
@@ -992,6 +999,11 @@ impl IsolationTier for GvisorTier {
         super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
+    fn process_limit_inside(&self) -> bool {
+        // The Sentry enforces RLIMIT_NPROC; the host cgroup only bounds its own threads.
+        true
+    }
+
     async fn connect(&self, id: &str, _state: &serde_json::Value) -> Result<AgentStream> {
         // The socket's directory is writable from inside the sandbox: open the name without following
         // a symlink, check it is a socket, and connect through the descriptor, so a hostile sandbox
@@ -1273,7 +1285,7 @@ mod tests {
             pids: 64,
             ..Default::default()
         };
-        assert_eq!(cgroup_limits(&l).pids, 64 + SENTRY_THREADS);
+        assert_eq!(cgroup_limits(&l).pids, 64 * 16 + 256);
     }
 
     #[test]
