@@ -701,6 +701,14 @@ impl GvisorTier {
         let networked = state.net_slot.is_some();
         let dir = self.dir(id);
         let sock = dir.join("sock").join(SOCK_NAME);
+        std::fs::write(
+            image.join(IMAGE_META),
+            serde_json::to_vec(&ImageMeta {
+                agent: self.agent.clone(),
+                runsc: self.runsc()?.version.clone(),
+            })?,
+        )
+        .context("write the image description")?;
         let was_paused = self.cgroups.is_frozen(id);
         if was_paused {
             // The agent must run to let go of its socket; it is paused again at the end.
@@ -717,14 +725,6 @@ impl GvisorTier {
             }
             Ok(())
         };
-        std::fs::write(
-            image.join(IMAGE_META),
-            serde_json::to_vec(&ImageMeta {
-                agent: self.agent.clone(),
-                runsc: self.runsc()?.version.clone(),
-            })?,
-        )
-        .context("write the image description")?;
         // The agent lets go of its socket on SIGUSR1 when asked for it here first, and says so with
         // a file (inside, gVisor cannot remove a host socket's file: the daemon does). The
         // directory is writable from inside: nothing in it is followed or trusted.
