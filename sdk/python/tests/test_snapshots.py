@@ -245,3 +245,45 @@ def test_snapshot_argument_errors(sbx):
         assert Sandbox.delete_snapshot("no-such-snapshot") is False
     finally:
         assert Sandbox.delete_snapshot(name) is True
+
+
+def test_full_snapshot_on_gvisor_continues_processes(daemon):
+    """kind="full" on the gvisor tier: a fork continues the counter with its memory; a process holding a
+    Unix socket bound to a file makes it a ConflictError naming the path, and the sandbox goes on."""
+    made, snaps = [], []
+    src = Sandbox.create(timeout=600, isolation="gvisor")
+    made.append(src)
+    try:
+        h = src.commands.run(COUNTER, background=True, tag="counter")
+        _wait_counter(src, 5)
+        snap = src.create_snapshot(kind="full")
+        snaps.append(snap)
+        assert (snap.kind, snap.isolation, snap.sandbox_id) == ("full", "gvisor", src.id)
+        assert snap.size_bytes > 0
+        at_snapshot = _read_counter(src)
+        (fork,) = Sandbox.fork(snap, 1, timeout=600)
+        made.append(fork)
+        # The counter runs in the fork with the snapshot's pid: its memory came back (files hold none).
+        assert any(p.pid == h.pid and p.tag == "counter" and p.running for p in fork.commands.list())
+        first = _read_counter(fork)
+        assert 5 <= first
+        _wait_counter(fork, first + 3)
+        _wait_counter(src, at_snapshot + 3)  # and the source goes on
+
+        src.files.write("/opt/srv.py", "import socket, time\n"
+                        "s = socket.socket(socket.AF_UNIX); s.bind('/opt/app.sock'); s.listen()\n"
+                        "print('bound', flush=True); time.sleep(600)\n")
+        srv = src.commands.run("python3 /opt/srv.py", background=True, tag="srv")
+        deadline = time.time() + 30
+        while "/opt/app.sock" not in src.commands.run("cat /proc/net/unix").stdout:
+            assert time.time() < deadline, "the server did not bind"
+            time.sleep(0.1)
+        with pytest.raises(moat.ConflictError) as e:
+            src.create_snapshot(kind="full")
+        assert e.value.status == 409 and "/opt/app.sock" in e.value.message
+        assert src.commands.run("echo ok").stdout == "ok\n"
+        assert any(p.pid == srv.pid and p.running for p in src.commands.list())
+    finally:
+        _kill_all(made)
+        for s in snaps:
+            Sandbox.delete_snapshot(s.id)
