@@ -78,7 +78,11 @@ pub async fn serve(mut listener: UnixListener, agent: Arc<Agent>, rebind: Option
                     if held.is_empty() {
                         break;
                     }
-                    if let Err(e) = std::fs::write(dir.join(checkpoint::REFUSED), held.join("\n")) {
+                    // Written whole under another name first: the daemon reads it once it exists.
+                    let tmp = dir.join(format!("{}.tmp", checkpoint::REFUSED));
+                    if let Err(e) = std::fs::write(&tmp, held.join("\n"))
+                        .and_then(|()| std::fs::rename(&tmp, dir.join(checkpoint::REFUSED)))
+                    {
                         eprintln!("moat-agent: writing {}: {e}", checkpoint::REFUSED);
                     }
                 }
