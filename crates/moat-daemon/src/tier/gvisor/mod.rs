@@ -320,10 +320,6 @@ impl GvisorTier {
             .iter()
             .map(|d| std::ffi::CString::new(d.join("cgroup.procs").as_os_str().as_encoded_bytes()))
             .collect::<Result<_, _>>()?;
-        let root = c"/";
-        let target = c"/proc/sys/net";
-        let fstype = c"tmpfs";
-        let source = c"none";
         // SAFETY: between fork and exec only open/write/close/unshare/mount, which are
         // async-signal-safe, on C strings made before the fork; nothing is allocated.
         unsafe {
@@ -339,7 +335,7 @@ impl GvisorTier {
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                if private_net_proc && !hide_proc_sys_net(root, target, fstype, source) {
+                if private_net_proc && !hide_proc_sys_net() {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -424,15 +420,11 @@ impl GvisorTier {
         let mut cmd = self.command(networked)?;
         cmd.args(["start", id]);
         if networked {
-            let root = c"/";
-            let target = c"/proc/sys/net";
-            let fstype = c"tmpfs";
-            let source = c"none";
             // SAFETY: unshare and mount are plain system calls (async-signal-safe) on static C
             // strings; nothing is allocated between fork and exec.
             unsafe {
                 cmd.pre_exec(move || {
-                    if !hide_proc_sys_net(root, target, fstype, source) {
+                    if !hide_proc_sys_net() {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
@@ -832,27 +824,22 @@ impl GvisorTier {
 /// /proc/sys/net (see [`GvisorTier::start`]). False (errno set) when a call failed.
 ///
 /// # Safety
-/// Only async-signal-safe system calls on the given C strings; callable between fork and exec.
-unsafe fn hide_proc_sys_net(
-    root: &std::ffi::CStr,
-    target: &std::ffi::CStr,
-    fstype: &std::ffi::CStr,
-    source: &std::ffi::CStr,
-) -> bool {
+/// Only async-signal-safe system calls on static C strings; callable between fork and exec.
+unsafe fn hide_proc_sys_net() -> bool {
     // SAFETY: plain system calls on valid NUL-terminated strings that outlive the calls.
     unsafe {
         libc::unshare(libc::CLONE_NEWNS) == 0
             && libc::mount(
                 std::ptr::null(),
-                root.as_ptr(),
+                c"/".as_ptr(),
                 std::ptr::null(),
                 libc::MS_REC | libc::MS_PRIVATE,
                 std::ptr::null(),
             ) == 0
             && libc::mount(
-                source.as_ptr(),
-                target.as_ptr(),
-                fstype.as_ptr(),
+                c"none".as_ptr(),
+                c"/proc/sys/net".as_ptr(),
+                c"tmpfs".as_ptr(),
                 libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
                 std::ptr::null(),
             ) == 0
