@@ -252,7 +252,7 @@ pub async fn ensure_template(client: &Client, name: &str, source: Option<&Path>)
             while let Some(ev) = events.next().await {
                 match ev? {
                     moat_api::BuildEvent::Done { .. } => return Ok(()),
-                    moat_api::BuildEvent::Failed { message } => {
+                    moat_api::BuildEvent::Failed { message, .. } => {
                         bail!("building template {name} failed: {message}")
                     }
                     _ => {}

@@ -207,3 +207,88 @@ fn cli_snapshot_fork_reset_pause() {
     ok(&["rm", &id, &forks[0], &forks[1]]);
     ok(&["snapshot", "rm", &name]);
 }
+
+#[test]
+fn template_build_from_a_spec_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("cli-spec-{}", std::process::id());
+    std::fs::write(dir.path().join("greeting.txt"), "hi from the context\n").unwrap();
+    std::fs::write(
+        dir.path().join("moat.toml"),
+        format!(
+            "from = \"base\"\n\n[[steps]]\nenv = {{ RUN = \"{}\" }}\n\n[[steps]]\ncopy = {{ src = \"greeting.txt\", dest = \"/etc/greeting\" }}\n\n[[steps]]\nrun = \"echo step-output; cat /etc/greeting\"\n",
+            std::process::id()
+        ),
+    )
+    .unwrap();
+    let spec = dir.path().join("moat.toml");
+    let spec = spec.to_str().unwrap();
+    let out = ok(&["template", "build", &name, "-f", spec]);
+    assert!(out.contains("[3/3] run echo step-output"), "{out}");
+    assert!(
+        out.contains("    step-output\n    hi from the context"),
+        "{out}"
+    );
+    assert!(out.contains(&format!("template {name} ready")), "{out}");
+    // Again: every step that makes a layer is cached, and --quiet leaves the output out.
+    let out = ok(&["template", "build", &name, "-f", spec, "-q"]);
+    assert!(
+        out.contains("[2/3] copy greeting.txt /etc/greeting  CACHED"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[3/3] run echo step-output; cat /etc/greeting  CACHED"),
+        "{out}"
+    );
+    assert!(!out.contains("    step-output"), "{out}");
+    let builds: serde_json::Value =
+        serde_json::from_str(&ok(&["--json", "template", "builds", &name])).unwrap();
+    let builds = builds.as_array().unwrap();
+    assert_eq!(builds.len(), 2, "{builds:?}");
+    let id = builds[1]["id"].as_str().unwrap().to_string();
+    let shown = ok(&["template", "inspect", &id]);
+    assert!(
+        shown.contains("succeeded") && shown.contains("copy greeting.txt"),
+        "{shown}"
+    );
+    let logs = ok(&["template", "logs", &id]);
+    assert!(logs.contains("    step-output"), "{logs}");
+    // A failing step: exit code 1, the step and its output on stderr.
+    std::fs::write(
+        dir.path().join("bad.toml"),
+        "from = \"base\"\n[[steps]]\nrun = \"echo broke-here >&2; exit 4\"\n",
+    )
+    .unwrap();
+    let o = moat(&[
+        "template",
+        "build",
+        &format!("{name}-bad"),
+        "-f",
+        dir.path().join("bad.toml").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("step 1 (run echo broke-here")
+            && err.contains("exit code 4")
+            && err.contains("broke-here"),
+        "{err}"
+    );
+    // A spec error is reported before anything is sent.
+    std::fs::write(
+        dir.path().join("typo.toml"),
+        "from = \"base\"\n[[steps]]\nrnu = \"x\"\n",
+    )
+    .unwrap();
+    let o = moat(&[
+        "template",
+        "build",
+        "x",
+        "-f",
+        dir.path().join("typo.toml").to_str().unwrap(),
+    ]);
+    assert_ne!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rnu"), "{o:?}");
+    ok(&["template", "rm", &name]);
+    ok(&["template", "rm", &format!("{name}-bad")]);
+}

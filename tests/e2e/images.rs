@@ -2,6 +2,7 @@
 //! pull from a real registry (Debian's docker-registry on 127.0.0.1, with basic auth), each checked
 //! inside a sandbox: whiteouts, opaque directories, a hard link to a lower layer, setuid bits, owners.
 
+use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -317,6 +318,66 @@ async fn oci_layout_docker_archive_and_registry_pull() {
             }
             other => panic!("expected a 400, got {other:?}"),
         }
+    }
+
+    // 4. A template spec whose base is the registry image: pulled with the credentials, which the
+    // build's record does not keep.
+    let spec: moat_api::TemplateSpec = serde_json::from_value(serde_json::json!({
+        "from": {"image": image, "username": "moat", "password": "s3cret", "insecure": true},
+        "steps": [{"run": "echo built-on-image > /opt/built"}],
+    }))
+    .unwrap();
+    let mut events = c
+        .build_template_spec("on-image", &spec, false)
+        .await
+        .unwrap();
+    let mut last = None;
+    let mut id = String::new();
+    while let Some(ev) = events.next().await {
+        let ev = ev.unwrap();
+        if let moat_api::BuildEvent::Started(s) = &ev {
+            id = s.build.id.clone();
+        }
+        last = Some(ev);
+    }
+    assert!(
+        matches!(last, Some(moat_api::BuildEvent::Done { .. })),
+        "{last:?}"
+    );
+    let b = c.get_build(&id).await.unwrap();
+    assert_eq!(b.spec.from.password.as_deref(), Some("(redacted)"));
+    assert!(
+        b.steps[0].layer.is_some(),
+        "the image is the base layer: {b:#?}"
+    );
+    let sbx = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("on-image".into()),
+            timeout: Some(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let out = sh(&c, &sbx.id, "ls /opt; cat /opt/built").await;
+    assert_eq!(out.stdout, "built\nnew\nbuilt-on-image\n", "{out:?}");
+    c.delete_sandbox(&sbx.id).await.unwrap();
+    // Wrong credentials fail the base step with the registry's answer.
+    let mut bad = spec.clone();
+    bad.from.password = Some("wrong".into());
+    let mut events = c
+        .build_template_spec("on-image-bad", &bad, true)
+        .await
+        .unwrap();
+    let mut last = None;
+    while let Some(ev) = events.next().await {
+        last = Some(ev.unwrap());
+    }
+    match last {
+        Some(moat_api::BuildEvent::Failed { message, step }) => {
+            assert_eq!(step, Some(0));
+            assert!(message.contains("refused the credentials"), "{message}");
+        }
+        other => panic!("{other:?}"),
     }
     drop(reg);
 }

@@ -5,6 +5,7 @@ mod harness;
 
 mod audit;
 mod bad_input;
+mod builds;
 mod cli;
 mod code;
 mod commands;
@@ -20,3 +21,4 @@ mod pool;
 mod ports;
 mod restart;
 mod snapshots;
+mod topology;

@@ -71,8 +71,12 @@ pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
             ));
         }
     }
-    let user = users::lookup(req.user.as_deref(), Path::new("/etc"))
-        .map_err(|e| ApiError::invalid("user", e))?;
+    let (default_user, default_cwd) = agent.procs.defaults();
+    let user = users::lookup(
+        req.user.as_deref().or(default_user.as_deref()),
+        Path::new("/etc"),
+    )
+    .map_err(|e| ApiError::invalid("user", e))?;
     let base_env = agent
         .base_env
         .read()
@@ -91,8 +95,11 @@ pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
             }
             p
         }
-        None if home.is_dir() => home,
-        None => PathBuf::from("/"),
+        None => match default_cwd.map(PathBuf::from).filter(|p| p.is_dir()) {
+            Some(p) => p,
+            None if home.is_dir() => home,
+            None => PathBuf::from("/"),
+        },
     };
     let path_var = env
         .iter()

@@ -169,6 +169,9 @@ pub struct Processes {
     pub default_timeout_ms: AtomicU64,
     /// File with the sandbox's `oom_kill N` counter.
     oom_counter: Mutex<Option<PathBuf>>,
+    /// User and working directory of a process whose request names none (a template's `user` and
+    /// `workdir`).
+    defaults: Mutex<(Option<String>, Option<String>)>,
 }
 
 /// The `oom_kill` count of a cgroup events file (v1 `memory.oom_control`, v2 `memory.events`).
@@ -188,6 +191,7 @@ impl Processes {
             nproc: AtomicU64::new(0),
             default_timeout_ms: AtomicU64::new(0),
             oom_counter: Mutex::new(None),
+            defaults: Mutex::new((None, None)),
         })
     }
 
@@ -209,6 +213,18 @@ impl Processes {
         if let Some(p) = &c.oom_counter {
             *lock(&self.oom_counter) = Some(PathBuf::from(p));
         }
+        let mut d = lock(&self.defaults);
+        if let Some(u) = &c.user {
+            d.0 = Some(u.clone());
+        }
+        if let Some(w) = &c.cwd {
+            d.1 = Some(w.clone());
+        }
+    }
+
+    /// The default user and working directory of processes (`POST /config`).
+    pub fn defaults(&self) -> (Option<String>, Option<String>) {
+        lock(&self.defaults).clone()
     }
 
     /// The sandbox's OOM-kill count now, when known.

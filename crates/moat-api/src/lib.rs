@@ -5,6 +5,7 @@
 //! which is why process and file types live here and not in the daemon.
 
 pub mod audit;
+pub mod build;
 pub mod checkpoint;
 pub mod code;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod snapshot;
 pub mod template;
 
 pub use audit::*;
+pub use build::*;
 pub use checkpoint::unix_sockets_bound_to_paths;
 pub use code::*;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};

@@ -188,6 +188,13 @@ pub struct AgentConfig {
     /// processes are not host processes a cgroup could count (the gvisor tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nproc: Option<u64>,
+    /// User of a process whose request names none (root when never set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Working directory of a process whose request names none (the user's home when never set or
+    /// missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
 }
 
 /// A process selector from a path segment: digits are a pid, anything else a tag.

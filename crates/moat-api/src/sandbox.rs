@@ -297,9 +297,15 @@ pub struct TierInfo {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DiskUsage {
+    /// Templates (a spec-built template's bytes are those of its layers, which `layers` counts).
     pub templates: Vec<DiskUsageItem>,
-    /// The layer store: every snapshot layer once, however many snapshots and sandboxes share it.
+    /// The layer store: every snapshot, template and build layer once, however many snapshots,
+    /// templates and sandboxes share it.
     pub layers: DiskUsageItem,
+    /// The build cache: entries (`count`) and the bytes of their layers (part of `layers`; `moat
+    /// system prune` empties it).
+    #[serde(default)]
+    pub build_cache: DiskUsageItem,
     pub snapshots: u64,
     /// Writable layers of sandboxes (what they wrote).
     pub sandboxes: DiskUsageItem,
@@ -307,7 +313,7 @@ pub struct DiskUsage {
     pub total_bytes: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DiskUsageItem {
     pub name: String,

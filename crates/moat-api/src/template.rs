@@ -15,6 +15,8 @@ pub enum TemplateSource {
     /// The layers of an OCI or Docker image: an image layout or `docker save` archive on the host, or
     /// pulled from a registry.
     Image,
+    /// Built from a template spec (`moat.toml`): a base and cached step layers.
+    Spec,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +41,18 @@ pub struct Template {
     /// Why the last build failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What a spec-built template starts from (`template base`, `image python:3.12-slim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// Content digests of a spec-built template's layers over its base, bottom first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    /// Environment, user, working directory and start command its sandboxes get.
+    #[serde(default, skip_serializing_if = "crate::TemplateConfig::is_empty")]
+    pub config: crate::TemplateConfig,
+    /// The build that made it (`GET /v1/builds/{id}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,7 +92,7 @@ pub struct PullTemplateRequest {
 }
 
 /// One line of `POST /v1/templates/{name}/build` (`application/x-ndjson`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BuildEvent {
@@ -88,12 +102,38 @@ pub enum BuildEvent {
         done: u64,
         total: u64,
     },
-    /// A line of the build tool's output.
-    Log { line: String },
+    /// A line of the build tool's output (of step `step` in a spec build).
+    Log {
+        line: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<u32>,
+    },
+    /// First event of a spec build: its id and steps (`GET /v1/builds/{id}/events` follows it again).
+    Started(Box<crate::BuildStarted>),
+    /// A step of a spec build begins, or is taken from the cache (`cached`).
+    Step {
+        index: u32,
+        total: u32,
+        description: String,
+        cached: bool,
+    },
+    /// A step of a spec build finished.
+    StepDone {
+        index: u32,
+        duration_ms: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        layer: Option<String>,
+        #[serde(default)]
+        size_bytes: u64,
+    },
     /// Last event of a successful build.
-    Done { template: Template },
-    /// Last event of a failed build.
-    Failed { message: String },
+    Done { template: Box<Template> },
+    /// Last event of a failed build: what failed (the step and the end of its output).
+    Failed {
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        step: Option<u32>,
+    },
 }
 
 /// Template names: 1–63 characters of `[a-z0-9._-]`, starting with a letter or digit.

@@ -365,6 +365,8 @@ pub enum SnapshotCommand {
 pub enum SystemCommand {
     /// Disk used by templates, snapshot layers and sandboxes' writable layers.
     Df,
+    /// Empty the build cache (layers templates, snapshots or sandboxes use stay).
+    Prune,
 }
 
 #[derive(Debug, Args)]
@@ -390,13 +392,46 @@ pub enum TemplateCommand {
     /// List templates.
     #[command(alias = "list")]
     Ls,
-    /// Build a template, showing progress.
+    /// Build a template, showing progress: from a spec (`-f moat.toml`: a base, steps that become
+    /// cached layers, a start command), or `base` / `code-interpreter` from Debian packages.
     Build {
         name: String,
-        /// Print the build tool's log lines.
+        /// The template spec (TOML, docs/templates.md). Its directory is the build context (the
+        /// files `copy` steps take) unless --context names another.
+        #[arg(long, short = 'f', value_name = "FILE")]
+        file: Option<std::path::PathBuf>,
+        /// Directory `copy` sources are relative to.
+        #[arg(long, value_name = "DIR", requires = "file")]
+        context: Option<std::path::PathBuf>,
+        /// Run every step again instead of taking it from the build cache.
+        #[arg(long, requires = "file")]
+        no_cache: bool,
+        /// Print the build tool's log lines (spec builds print their steps' output unless --quiet).
         #[arg(long, short = 'v')]
         verbose: bool,
+        /// Only the steps, not their output.
+        #[arg(long, short = 'q', conflicts_with = "verbose")]
+        quiet: bool,
     },
+    /// List template builds from specs, newest first.
+    Builds {
+        /// Only the builds of this template.
+        name: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// One build: its status and steps (cached or run, how long, the layer each made).
+    Inspect { id: String },
+    /// A build's output from its start; follows a build that is still running.
+    Logs {
+        /// Build id (`moat template builds` lists them).
+        id: String,
+        /// Only the steps, not their output.
+        #[arg(long, short = 'q')]
+        quiet: bool,
+    },
+    /// Stop a running build (the template stays as it was).
+    Cancel { id: String },
     /// Register a root filesystem directory or tarball, an OCI image layout or a `docker save`
     /// archive on the daemon's host as a template.
     Add {

@@ -1,6 +1,7 @@
 //! `moat`: the command-line interface of the moat sandbox daemon.
 
 mod audit;
+mod build;
 mod cli;
 mod code;
 mod cp;
@@ -98,6 +99,7 @@ async fn run_client_command(global: &cli::Global, command: Command) -> anyhow::R
         Command::Snapshot(cmd) => snapshot::dispatch(&client, cmd, json).await,
         Command::Fork(args) => snapshot::fork(&client, &args, json).await,
         Command::System(cli::SystemCommand::Df) => snapshot::df(&client, json).await,
+        Command::System(cli::SystemCommand::Prune) => template::prune(&client, json).await,
         Command::Network { id, net } => sandbox::network(&client, &id, &net, json).await,
         Command::NetworkLog {
             id,

@@ -164,6 +164,11 @@ pub async fn df(client: &Client, json: bool) -> anyhow::Result<i32> {
         mib(u.layers.bytes),
     ]);
     rows.push(vec![
+        "  of them the build cache".into(),
+        u.build_cache.count.to_string(),
+        mib(u.build_cache.bytes),
+    ]);
+    rows.push(vec![
         "sandbox writable layers".into(),
         u.sandboxes.count.to_string(),
         mib(u.sandboxes.bytes),

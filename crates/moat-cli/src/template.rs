@@ -1,8 +1,6 @@
 //! Template commands: ls, build, add, rm.
 
-use futures::StreamExt;
-use indicatif::{ProgressBar, ProgressStyle};
-use moat_api::{BuildEvent, RegisterTemplateRequest, Template};
+use moat_api::{RegisterTemplateRequest, Template};
 use moat_client::Client;
 
 use crate::cli::TemplateCommand;
@@ -11,7 +9,40 @@ use crate::output::{print_json, print_table};
 pub async fn dispatch(client: &Client, cmd: TemplateCommand, json: bool) -> anyhow::Result<i32> {
     match cmd {
         TemplateCommand::Ls => list(client, json).await,
-        TemplateCommand::Build { name, verbose } => build(client, &name, verbose, json).await,
+        TemplateCommand::Build {
+            name,
+            file: Some(file),
+            context,
+            no_cache,
+            quiet,
+            ..
+        } => {
+            crate::build::from_spec(
+                client,
+                &name,
+                &file,
+                context.as_deref(),
+                no_cache,
+                quiet,
+                json,
+            )
+            .await
+        }
+        TemplateCommand::Build { name, verbose, .. } => build(client, &name, verbose, json).await,
+        TemplateCommand::Builds { name, limit } => {
+            crate::build::list(client, name.as_deref(), limit, json).await
+        }
+        TemplateCommand::Inspect { id } => crate::build::inspect(client, &id, json).await,
+        TemplateCommand::Logs { id, quiet } => crate::build::logs(client, &id, quiet, json).await,
+        TemplateCommand::Cancel { id } => {
+            let b = client.cancel_build(&id).await?;
+            if json {
+                print_json(&b)?;
+            } else {
+                println!("cancelling {id}");
+            }
+            Ok(0)
+        }
         TemplateCommand::Add { name, path } => {
             let path = std::path::absolute(&path)?;
             let path = path
@@ -113,65 +144,22 @@ pub fn human_size(bytes: u64) -> String {
 }
 
 async fn build(client: &Client, name: &str, verbose: bool, json: bool) -> anyhow::Result<i32> {
-    let mut events = client.build_template(name).await?;
-    let bar = if json {
-        ProgressBar::hidden()
+    let events = client.build_template(name).await?;
+    crate::build::render(events, !verbose, json).await
+}
+
+/// `moat system prune`: empties the build cache.
+pub async fn prune(client: &Client, json: bool) -> anyhow::Result<i32> {
+    let r = client.prune_build_cache().await?;
+    if json {
+        print_json(&r)?;
     } else {
-        ProgressBar::new_spinner()
-    };
-    bar.enable_steady_tick(std::time::Duration::from_millis(120));
-    let spinner = ProgressStyle::with_template("{spinner} {msg}")?;
-    let counted = ProgressStyle::with_template("{spinner} {msg} [{wide_bar}] {pos}/{len}")?
-        .progress_chars("=> ");
-    bar.set_style(spinner.clone());
-    bar.set_message(format!("building {name}"));
-    while let Some(ev) = events.next().await {
-        let ev = match ev {
-            Ok(ev) => ev,
-            Err(e) => {
-                bar.finish_and_clear();
-                return Err(e.into());
-            }
-        };
-        if json {
-            println!("{}", serde_json::to_string(&ev)?);
-        }
-        match ev {
-            BuildEvent::Progress { phase, done, total } => {
-                if total == 0 {
-                    bar.set_style(spinner.clone());
-                } else {
-                    bar.set_style(counted.clone());
-                    bar.set_length(total);
-                    bar.set_position(done);
-                }
-                bar.set_message(phase);
-            }
-            BuildEvent::Log { line } => {
-                if verbose && !json {
-                    bar.println(line);
-                }
-            }
-            BuildEvent::Done { template } => {
-                bar.finish_and_clear();
-                if !json {
-                    println!(
-                        "template {} ready ({})",
-                        template.name,
-                        human_size(template.size_bytes)
-                    );
-                }
-                return Ok(0);
-            }
-            BuildEvent::Failed { message } => {
-                bar.finish_and_clear();
-                eprintln!("error: template build failed: {message}");
-                return Ok(1);
-            }
-        }
+        println!(
+            "removed {} build cache entries and {} layers",
+            r.entries, r.layers
+        );
     }
-    bar.finish_and_clear();
-    anyhow::bail!("the build stream ended without a result")
+    Ok(0)
 }
 
 #[cfg(test)]

@@ -37,6 +37,7 @@ pub use files::WriteOptions;
 pub use ndjson::{ByteStream, EventStream};
 pub use processes::{ProcessStart, WsStream};
 pub use sandboxes::SandboxFilter;
+pub use templates::context_tar;
 
 pub use moat_api as api;
 

@@ -89,6 +89,17 @@ impl AgentClient {
             .map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
     }
 
+    /// POSTs `body` as JSON to the agent.
+    async fn post(&self, path: &str, body: &impl serde::Serialize) -> Result<Response<Incoming>> {
+        self.send(
+            http::Method::POST,
+            path,
+            Some("application/json"),
+            Body::from(serde_json::to_vec(body)?),
+        )
+        .await
+    }
+
     /// A byte stream to TCP `port` inside the sandbox (the agent's `POST /tcp`), as one end of an
     /// in-memory duplex pipe pumped to and from the agent's HTTP/2 stream.
     pub async fn tcp_tunnel(&self, port: u16) -> Result<tokio::io::DuplexStream> {
@@ -166,16 +177,62 @@ impl AgentClient {
         serde_json::from_slice(&bytes).with_context(|| format!("decode agent answer to {path}"))
     }
 
-    /// Merges variables into the environment of processes the agent starts from now on.
-    pub async fn set_env(&self, env: &std::collections::BTreeMap<String, String>) -> Result<()> {
-        let body = serde_json::to_vec(&moat_api::EnvUpdate { env: env.clone() })?;
+    /// Runs a process in the foreground, handing each of its events to `on_event`, and returns how it
+    /// ended. An answer other than an event stream (the agent refused the request) is an error with
+    /// the agent's message.
+    pub async fn run_streamed(
+        &self,
+        req: &moat_api::StartProcessRequest,
+        on_event: impl FnMut(&moat_api::ProcessEvent),
+    ) -> Result<moat_api::ExitStatus> {
+        let resp = self.post("/processes", req).await?;
+        read_events(resp, on_event).await
+    }
+
+    /// Replays the events of process `sel` (a pid or tag) from its start, to its exit or to now.
+    pub async fn replay(
+        &self,
+        sel: &str,
+        on_event: impl FnMut(&moat_api::ProcessEvent),
+    ) -> Result<moat_api::ExitStatus> {
         let resp = self
             .send(
-                http::Method::POST,
-                "/env",
-                Some("application/json"),
-                Body::from(body),
+                http::Method::GET,
+                &format!("/processes/{sel}/events?replay=true"),
+                None,
+                Body::empty(),
             )
+            .await?;
+        read_events(resp, on_event).await
+    }
+
+    /// POSTs JSON to the agent and decodes its JSON answer.
+    pub async fn post_json<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<T> {
+        use http_body_util::BodyExt;
+        let resp = self.post(path, body).await?;
+        let status = resp.status();
+        let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
+            .collect()
+            .await
+            .map_err(|e| anyhow!("read agent answer: {e}"))?
+            .to_bytes();
+        if !status.is_success() {
+            let msg = serde_json::from_slice::<moat_api::ErrorBody>(&bytes)
+                .map(|b| b.error.message)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+            bail!("agent answered {status} to {path}: {msg}");
+        }
+        serde_json::from_slice(&bytes).with_context(|| format!("decode agent answer to {path}"))
+    }
+
+    /// Merges variables into the environment of processes the agent starts from now on.
+    pub async fn set_env(&self, env: &std::collections::BTreeMap<String, String>) -> Result<()> {
+        let resp = self
+            .post("/env", &moat_api::EnvUpdate { env: env.clone() })
             .await?;
         if !resp.status().is_success() {
             bail!("agent refused the environment: {}", resp.status());
@@ -186,15 +243,7 @@ impl AgentClient {
     /// Gives the agent the sandbox's per-process limits (open files, output buffer, default timeout) and
     /// where its OOM counter is.
     pub async fn configure(&self, config: &moat_api::AgentConfig) -> Result<()> {
-        let body = serde_json::to_vec(config)?;
-        let resp = self
-            .send(
-                http::Method::POST,
-                "/config",
-                Some("application/json"),
-                Body::from(body),
-            )
-            .await?;
+        let resp = self.post("/config", config).await?;
         if !resp.status().is_success() {
             bail!("agent refused its configuration: {}", resp.status());
         }
@@ -230,6 +279,42 @@ impl AgentClient {
         }
         Err(last.context(format!("agent of {} not ready after {timeout:?}", self.id)))
     }
+}
+
+/// Reads an agent's process-event stream to its end. Without an `exit` event (the process was still
+/// running, or the stream broke) the result is an error.
+async fn read_events(
+    resp: Response<Incoming>,
+    mut on_event: impl FnMut(&moat_api::ProcessEvent),
+) -> Result<moat_api::ExitStatus> {
+    use http_body_util::BodyExt;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        let bytes = http_body_util::Limited::new(body, 1 << 20)
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let msg = serde_json::from_slice::<moat_api::ErrorBody>(&bytes)
+            .map(|b| b.error.message)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+        bail!("the agent refused ({status}): {msg}");
+    }
+    let mut lines = ProcessEventLines::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| anyhow!("agent event stream: {e}"))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        for ev in lines.push(&data)? {
+            on_event(&ev);
+            if let moat_api::ProcessEvent::Exit(e) = ev {
+                return Ok(e);
+            }
+        }
+    }
+    bail!("the process's event stream ended before its exit")
 }
 
 /// The bytes of an output chunk (`data` as UTF-8, or `data_b64` decoded).

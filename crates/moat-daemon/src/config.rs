@@ -113,6 +113,25 @@ pub struct ServeArgs {
     /// The audit log keeps at most this many entries (the oldest go first); 0: no cap.
     #[arg(long, env = "MOAT_AUDIT_MAX_ENTRIES", default_value_t = 1_000_000)]
     pub audit_max_entries: u64,
+    /// An apt source line (`deb [trusted=yes] http://mirror.internal/debian bookworm main`) that the
+    /// `apt` steps of template builds use instead of the image's own sources: a local or company
+    /// mirror. Repeatable; steps then reach only these hosts.
+    #[arg(
+        long = "build-apt-source",
+        env = "MOAT_BUILD_APT_SOURCE",
+        value_delimiter = '\n'
+    )]
+    pub build_apt_source: Vec<String>,
+    /// Python package index the `pip` steps of template builds install from (PIP_INDEX_URL);
+    /// default: PyPI.
+    #[arg(long, env = "MOAT_BUILD_PIP_INDEX", value_name = "URL")]
+    pub build_pip_index: Option<String>,
+    /// npm registry the `npm` steps of template builds install from; default: registry.npmjs.org.
+    #[arg(long, env = "MOAT_BUILD_NPM_REGISTRY", value_name = "URL")]
+    pub build_npm_registry: Option<String>,
+    /// Largest build context (the files a template spec's `copy` steps take) accepted, in MiB.
+    #[arg(long, env = "MOAT_MAX_BUILD_CONTEXT_MB", default_value_t = 2048)]
+    pub max_build_context_mb: u64,
 }
 
 impl ServeArgs {

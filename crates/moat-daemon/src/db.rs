@@ -99,6 +99,37 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX netlog_sandbox ON netlog (sandbox_id, id);
     CREATE INDEX netlog_template ON netlog (template, id);
     CREATE INDEX netlog_at ON netlog (at_ms);",
+    // 9: templates built from a spec (see sandboxes/builds.rs): a template, sandbox or snapshot may
+    // stand on another root than its template's own rootfs (`template:NAME` or a layer digest), with
+    // layers and what its processes start with; builds, and the build cache of step layers.
+    "ALTER TABLE templates ADD COLUMN root TEXT;
+    ALTER TABLE templates ADD COLUMN layers TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE templates ADD COLUMN config TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE templates ADD COLUMN from_desc TEXT;
+    ALTER TABLE templates ADD COLUMN build_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN root TEXT;
+    ALTER TABLE sandboxes ADD COLUMN runtime TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE snapshots ADD COLUMN root TEXT;
+    ALTER TABLE snapshots ADD COLUMN runtime TEXT NOT NULL DEFAULT '{}';
+    CREATE TABLE builds (
+        id TEXT PRIMARY KEY,
+        template TEXT NOT NULL,
+        status TEXT NOT NULL,
+        started_at_ms INTEGER NOT NULL,
+        finished_at_ms INTEGER,
+        spec TEXT NOT NULL,
+        steps TEXT NOT NULL,
+        error TEXT,
+        failed_step INTEGER
+    );
+    CREATE INDEX builds_template ON builds (template, started_at_ms);
+    CREATE TABLE build_cache (
+        key TEXT PRIMARY KEY,
+        layer TEXT,
+        size_bytes INTEGER NOT NULL,
+        created_at_ms INTEGER NOT NULL,
+        used_at_ms INTEGER NOT NULL
+    );",
 ];
 
 /// A sandbox row.
@@ -133,6 +164,11 @@ pub struct SandboxRecord {
     /// Opens the sandbox's exposed ports to holders without the API key.
     pub access_token: String,
     pub public_traffic: bool,
+    /// What stands under `layers` when it is not the template's own rootfs (a spec-built template's
+    /// base): `template:NAME` or a layer digest.
+    pub root: Option<String>,
+    /// Default user and working directory of commands, and the start command (from the template).
+    pub runtime: moat_api::TemplateConfig,
 }
 
 /// A snapshot row.
@@ -151,6 +187,9 @@ pub struct SnapshotRecord {
     pub limits: moat_api::SandboxLimits,
     pub env: BTreeMap<String, String>,
     pub metadata: BTreeMap<String, String>,
+    /// As in [`SandboxRecord`].
+    pub root: Option<String>,
+    pub runtime: moat_api::TemplateConfig,
 }
 
 /// What a creator asks of a sandbox taken from the warm pool.
@@ -178,6 +217,47 @@ pub struct TemplateRecord {
     pub size_bytes: u64,
     pub created_at_ms: i64,
     pub error: Option<String>,
+    /// For a spec-built template: what stands under its layers (`template:NAME` or a layer digest).
+    pub root: Option<String>,
+    pub layers: Vec<String>,
+    /// Environment, user, working directory and start command of its sandboxes.
+    pub config: moat_api::TemplateConfig,
+    /// What it was built from, for the API (`template base`).
+    pub from_desc: Option<String>,
+    pub build_id: Option<String>,
+}
+
+impl TemplateRecord {
+    /// A plain template (its own rootfs, nothing over it).
+    pub fn plain(name: &str, source: TemplateSource, status: TemplateStatus) -> TemplateRecord {
+        TemplateRecord {
+            name: name.to_string(),
+            source,
+            status,
+            size_bytes: 0,
+            created_at_ms: crate::sandboxes::now_ms(),
+            error: None,
+            root: None,
+            layers: Vec::new(),
+            config: Default::default(),
+            from_desc: None,
+            build_id: None,
+        }
+    }
+}
+
+/// A build row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuildRecord {
+    pub id: String,
+    pub template: String,
+    pub status: moat_api::BuildStatus,
+    pub started_at_ms: i64,
+    pub finished_at_ms: Option<i64>,
+    pub spec: moat_api::TemplateSpec,
+    pub steps: Vec<moat_api::BuildStepInfo>,
+    pub error: Option<String>,
+    pub failed_step: Option<u32>,
 }
 
 pub struct Db {
@@ -236,6 +316,8 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
             .transpose()?,
         access_token: r.get("access_token")?,
         public_traffic: r.get::<_, i64>("public_traffic")? != 0,
+        root: r.get("root")?,
+        runtime: parse_json(&r.get::<_, String>("runtime")?)?,
     })
 }
 
@@ -254,6 +336,22 @@ fn snapshot_from_row(r: &Row<'_>) -> rusqlite::Result<SnapshotRecord> {
         limits: parse_json(&r.get::<_, String>("limits")?)?,
         env: parse_json(&r.get::<_, String>("env")?)?,
         metadata: parse_json(&r.get::<_, String>("metadata")?)?,
+        root: r.get("root")?,
+        runtime: parse_json(&r.get::<_, String>("runtime")?)?,
+    })
+}
+
+fn build_from_row(r: &Row<'_>) -> rusqlite::Result<BuildRecord> {
+    Ok(BuildRecord {
+        id: r.get("id")?,
+        template: r.get("template")?,
+        status: parse_enum(&r.get::<_, String>("status")?)?,
+        started_at_ms: r.get("started_at_ms")?,
+        finished_at_ms: r.get("finished_at_ms")?,
+        spec: parse_json(&r.get::<_, String>("spec")?)?,
+        steps: parse_json(&r.get::<_, String>("steps")?)?,
+        error: r.get("error")?,
+        failed_step: r.get::<_, Option<i64>>("failed_step")?.map(|n| n as u32),
     })
 }
 
@@ -265,6 +363,11 @@ fn template_from_row(r: &Row<'_>) -> rusqlite::Result<TemplateRecord> {
         size_bytes: r.get::<_, i64>("size_bytes")? as u64,
         created_at_ms: r.get("created_at_ms")?,
         error: r.get("error")?,
+        root: r.get("root")?,
+        layers: parse_json(&r.get::<_, String>("layers")?)?,
+        config: parse_json(&r.get::<_, String>("config")?)?,
+        from_desc: r.get("from_desc")?,
+        build_id: r.get("build_id")?,
     })
 }
 
@@ -349,9 +452,10 @@ impl Db {
         tx.execute(
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
                                     cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms,
-                                    layers, snapshot, on_timeout, network, access_token, public_traffic)
+                                    layers, snapshot, on_timeout, network, access_token, public_traffic,
+                                    root, runtime)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
-                     ?21, ?22)",
+                     ?21, ?22, ?23, ?24)",
             params![
                 rec.id,
                 rec.template,
@@ -378,6 +482,8 @@ impl Db {
                     .transpose()?,
                 rec.access_token,
                 rec.public_traffic as i64,
+                rec.root,
+                serde_json::to_string(&rec.runtime)?,
             ],
         )?;
         tx.commit()?;
@@ -516,10 +622,24 @@ impl Db {
     pub fn upsert_template(&self, t: &TemplateRecord) -> Result<()> {
         self.with(|c| {
             c.execute(
-                "INSERT INTO templates (name, source, status, size_bytes, created_at_ms, error)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT(name) DO UPDATE SET source = ?2, status = ?3, size_bytes = ?4, created_at_ms = ?5, error = ?6",
-                params![t.name, enum_str(&t.source), enum_str(&t.status), t.size_bytes as i64, t.created_at_ms, t.error],
+                "INSERT INTO templates (name, source, status, size_bytes, created_at_ms, error, root, layers, config,
+                                        from_desc, build_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                 ON CONFLICT(name) DO UPDATE SET source = ?2, status = ?3, size_bytes = ?4, created_at_ms = ?5,
+                     error = ?6, root = ?7, layers = ?8, config = ?9, from_desc = ?10, build_id = ?11",
+                params![
+                    t.name,
+                    enum_str(&t.source),
+                    enum_str(&t.status),
+                    t.size_bytes as i64,
+                    t.created_at_ms,
+                    t.error,
+                    t.root,
+                    serde_json::to_string(&t.layers).unwrap_or_else(|_| "[]".into()),
+                    serde_json::to_string(&t.config).unwrap_or_else(|_| "{}".into()),
+                    t.from_desc,
+                    t.build_id
+                ],
             )
         })?;
         Ok(())
@@ -609,8 +729,8 @@ impl Db {
         self.with(|c| {
             c.execute(
                 "INSERT INTO snapshots (id, name, kind, sandbox_id, template, isolation, layers, size_bytes,
-                                        created_at_ms, frozen_ms, limits, env, metadata)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                                        created_at_ms, frozen_ms, limits, env, metadata, root, runtime)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
                 params![
                     s.id,
                     s.name,
@@ -625,6 +745,8 @@ impl Db {
                     serde_json::to_string(&s.limits).unwrap_or_else(|_| "{}".into()),
                     serde_json::to_string(&s.env).unwrap_or_else(|_| "{}".into()),
                     serde_json::to_string(&s.metadata).unwrap_or_else(|_| "{}".into()),
+                    s.root,
+                    serde_json::to_string(&s.runtime).unwrap_or_else(|_| "{}".into()),
                 ],
             )
         })?;
@@ -656,32 +778,153 @@ impl Db {
         Ok(())
     }
 
-    /// Every layer digest a sandbox or snapshot still uses.
+    /// Every layer digest a sandbox, snapshot, template or build-cache entry still uses (roots that
+    /// are layers included).
     pub fn layers_in_use(&self) -> Result<std::collections::HashSet<String>> {
         self.with(|c| {
             let mut out = std::collections::HashSet::new();
-            for table in ["sandboxes", "snapshots"] {
-                let mut st = c.prepare(&format!("SELECT layers FROM {table}"))?;
-                for l in st.query_map([], |r| r.get::<_, String>(0))? {
-                    let v: Vec<String> = parse_json(&l?)?;
+            for table in ["sandboxes", "snapshots", "templates"] {
+                let mut st = c.prepare(&format!("SELECT layers, root FROM {table}"))?;
+                let rows = st.query_map([], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
+                })?;
+                for row in rows {
+                    let (layers, root) = row?;
+                    let v: Vec<String> = parse_json(&layers)?;
                     out.extend(v);
+                    out.extend(root.filter(|r| r.starts_with("sha256:")));
                 }
+            }
+            let mut st = c.prepare("SELECT layer FROM build_cache WHERE layer IS NOT NULL")?;
+            for l in st.query_map([], |r| r.get::<_, String>(0))? {
+                out.insert(l?);
             }
             Ok(out)
         })
     }
 
-    /// Number of sandboxes using a template.
+    /// Number of sandboxes, snapshots and templates standing on a template.
     pub fn template_users(&self, name: &str) -> Result<u64> {
+        let root = format!("template:{name}");
         self.with(|c| {
             c.query_row(
-                "SELECT (SELECT COUNT(*) FROM sandboxes WHERE template = ?1)
-                      + (SELECT COUNT(*) FROM snapshots WHERE template = ?1)",
-                [name],
+                "SELECT (SELECT COUNT(*) FROM sandboxes WHERE template = ?1 OR root = ?2)
+                      + (SELECT COUNT(*) FROM snapshots WHERE template = ?1 OR root = ?2)
+                      + (SELECT COUNT(*) FROM templates WHERE root = ?2)",
+                params![name, root],
                 |r| r.get::<_, i64>(0),
             )
         })
         .map(|n| n as u64)
+    }
+
+    pub fn upsert_build(&self, b: &BuildRecord) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO builds (id, template, status, started_at_ms, finished_at_ms, spec, steps, error, failed_step)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                 ON CONFLICT(id) DO UPDATE SET status = ?3, finished_at_ms = ?5, steps = ?7, error = ?8,
+                     failed_step = ?9",
+                params![
+                    b.id,
+                    b.template,
+                    enum_str(&b.status),
+                    b.started_at_ms,
+                    b.finished_at_ms,
+                    serde_json::to_string(&b.spec).unwrap_or_else(|_| "{}".into()),
+                    serde_json::to_string(&b.steps).unwrap_or_else(|_| "[]".into()),
+                    b.error,
+                    b.failed_step.map(i64::from),
+                ],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn get_build(&self, id: &str) -> Result<Option<BuildRecord>> {
+        self.with(|c| {
+            c.query_row("SELECT * FROM builds WHERE id = ?1", [id], build_from_row)
+                .optional()
+        })
+    }
+
+    /// Builds, newest first (of one template when given).
+    pub fn list_builds(&self, template: Option<&str>, limit: u32) -> Result<Vec<BuildRecord>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "SELECT * FROM builds WHERE ?1 IS NULL OR template = ?1
+                 ORDER BY started_at_ms DESC, id LIMIT ?2",
+            )?;
+            let rows = st.query_map(params![template, limit], build_from_row)?;
+            rows.collect()
+        })
+    }
+
+    /// Removes finished builds beyond the newest `keep`; returns their ids (their logs go too).
+    pub fn prune_builds(&self, keep: u32) -> Result<Vec<String>> {
+        self.with(|c| {
+            let mut st = c.prepare(
+                "DELETE FROM builds WHERE status != 'running' AND id NOT IN
+                    (SELECT id FROM builds ORDER BY started_at_ms DESC LIMIT ?1)
+                 RETURNING id",
+            )?;
+            let rows = st.query_map([keep], |r| r.get(0))?;
+            rows.collect()
+        })
+    }
+
+    /// A build-cache entry: Some(layer) for a step that made one, Some(None) for one that changed no
+    /// file. Marks it used.
+    pub fn cache_get(&self, key: &str, now_ms: i64) -> Result<Option<Option<(String, u64)>>> {
+        self.with(|c| {
+            let hit = c
+                .query_row(
+                    "UPDATE build_cache SET used_at_ms = ?2 WHERE key = ?1 RETURNING layer, size_bytes",
+                    params![key, now_ms],
+                    |r| {
+                        Ok(r.get::<_, Option<String>>(0)?
+                            .map(|l| (l, r.get::<_, i64>(1).unwrap_or(0) as u64)))
+                    },
+                )
+                .optional()?;
+            Ok(hit)
+        })
+    }
+
+    pub fn cache_put(&self, key: &str, layer: Option<&str>, size: u64, now_ms: i64) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO build_cache (key, layer, size_bytes, created_at_ms, used_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?4)
+                 ON CONFLICT(key) DO UPDATE SET layer = ?2, size_bytes = ?3, used_at_ms = ?4",
+                params![key, layer, size as i64, now_ms],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn cache_delete(&self, key: &str) -> Result<()> {
+        self.with(|c| c.execute("DELETE FROM build_cache WHERE key = ?1", [key]))?;
+        Ok(())
+    }
+
+    /// Empties the build cache; returns how many entries it had.
+    pub fn cache_clear(&self) -> Result<u64> {
+        self.with(|c| c.execute("DELETE FROM build_cache", []))
+            .map(|n| n as u64)
+    }
+
+    /// Entries of the build cache and the bytes of their layers (each layer once).
+    pub fn cache_usage(&self) -> Result<(u64, u64)> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT COUNT(*), (SELECT COALESCE(SUM(size_bytes), 0) FROM
+                     (SELECT DISTINCT layer, size_bytes FROM build_cache WHERE layer IS NOT NULL))
+                 FROM build_cache",
+                [],
+                |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
+            )
+        })
     }
 }
 
@@ -716,6 +959,8 @@ mod tests {
             network: None,
             access_token: "t".into(),
             public_traffic: false,
+            root: None,
+            runtime: Default::default(),
         }
     }
 

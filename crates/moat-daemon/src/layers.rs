@@ -24,6 +24,9 @@ use sha2::{Digest, Sha256};
 
 pub struct LayerStore {
     root: PathBuf,
+    /// Scratch directories being filled now (a snapshot or build step): the collection leaves them
+    /// alone however long they take; other `tmp-*` directories are a crash's leftovers.
+    active: std::sync::Mutex<HashSet<String>>,
 }
 
 /// `sha256:<64 hex>`.
@@ -37,7 +40,16 @@ impl LayerStore {
         std::fs::create_dir_all(&root).with_context(|| format!("mkdir {}", root.display()))?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))?;
-        Ok(LayerStore { root })
+        Ok(LayerStore {
+            root,
+            active: Default::default(),
+        })
+    }
+
+    fn active(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.active
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Directory of a layer (which may not exist).
@@ -53,8 +65,12 @@ impl LayerStore {
         let mut b = [0u8; 8];
         rand::rngs::OsRng.fill_bytes(&mut b);
         let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        let dir = self.root.join(format!("tmp-{hex}"));
+        let name = format!("tmp-{hex}");
+        let dir = self.root.join(&name);
+        // Under the lock a collection holds while it looks: it never sees the directory untracked.
+        let mut active = self.active();
         std::fs::create_dir(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
+        active.insert(name);
         Ok(dir)
     }
 
@@ -62,31 +78,39 @@ impl LayerStore {
     /// exists already). Returns the digest and the bytes the layer takes.
     pub fn commit(&self, scratch: &Path) -> Result<(String, u64)> {
         let (digest, bytes) = digest_tree(scratch)?;
-        let dest = self.path(&digest)?;
+        self.commit_hashed(scratch, &digest, bytes)
+    }
+
+    /// [`LayerStore::commit`] of a tree already hashed with [`digest_tree`] (so the caller can hash
+    /// outside a lock and move the layer into place under it). `scratch` may be a directory inside a
+    /// scratch directory.
+    pub fn commit_hashed(&self, scratch: &Path, digest: &str, bytes: u64) -> Result<(String, u64)> {
+        let dest = self.path(digest)?;
         if dest.exists() {
             crate::host::mount::remove_unmounted_tree(scratch)?;
         } else {
             std::fs::rename(scratch, &dest)
                 .with_context(|| format!("rename {} to {}", scratch.display(), dest.display()))?;
         }
-        Ok((digest, bytes))
+        if let Some(name) = scratch.file_name() {
+            self.active().remove(&*name.to_string_lossy());
+        }
+        Ok((digest.to_string(), bytes))
     }
 
-    /// Removes every layer not in `keep` and every unfinished scratch directory older than a minute
-    /// (younger ones may belong to a snapshot being taken). Returns the digests removed.
+    /// Removes every layer not in `keep` and every scratch directory no snapshot or build is filling
+    /// (a crash's leftovers). Returns the digests removed.
     pub fn gc(&self, keep: &HashSet<String>) -> Result<Vec<String>> {
         let mut removed = Vec::new();
+        let mut active = self.active();
+        let mut seen = HashSet::new();
         for e in std::fs::read_dir(&self.root)?.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let path = e.path();
             if name.starts_with("tmp-") {
-                let old = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age.as_secs() > 60);
-                if old {
+                if active.contains(&name) {
+                    seen.insert(name);
+                } else {
                     crate::host::mount::remove_unmounted_tree(&path)?;
                 }
                 continue;
@@ -97,6 +121,8 @@ impl LayerStore {
                 removed.push(digest);
             }
         }
+        // Scratch directories their owner removed (or moved into place) are not tracked any more.
+        active.retain(|n| seen.contains(n));
         Ok(removed)
     }
 
@@ -294,6 +320,12 @@ mod tests {
         assert!(!s2.exists());
         assert!(store.path(&d1).unwrap().join("f").exists());
         assert!(store.gc(&[d1.clone()].into()).unwrap().is_empty());
+        // A scratch directory being filled survives a collection; a leftover does not.
+        let filling = store.scratch().unwrap();
+        let leftover = root.path().join("layers/tmp-0011223344556677");
+        std::fs::create_dir(&leftover).unwrap();
+        store.gc(&[d1.clone()].into()).unwrap();
+        assert!(filling.exists() && !leftover.exists());
         assert_eq!(store.gc(&HashSet::new()).unwrap(), vec![d1.clone()]);
         assert!(!store.path(&d1).unwrap().exists());
         assert!(store.path("sha256:../../etc").is_err());

@@ -24,7 +24,9 @@ use crate::template::store::TemplateStore;
 use crate::tier::container::MAX_SLOTS;
 use crate::tier::{IsolationTier, SandboxSpec};
 
+pub mod builds;
 mod snapshots;
+mod start;
 
 pub struct Sandboxes {
     pub args: ServeArgs,
@@ -50,6 +52,12 @@ pub struct Sandboxes {
     layer_lock: std::sync::Mutex<()>,
     /// The egress policy of sandboxes created without one (`--default-network`).
     default_network: moat_api::NetworkPolicy,
+    /// Template builds running now, by build id.
+    builds: std::sync::Mutex<HashMap<String, Arc<builds::LiveBuild>>>,
+    /// The package registries build steps install from (`--build-*`).
+    registries: crate::template::spec::Registries,
+    /// Registry passwords of running builds' base images, by template (never stored).
+    pull_secrets: std::sync::Mutex<HashMap<String, String>>,
 }
 
 /// The policy `--default-network` gives (JSON, or `@FILE` holding JSON), checked like a create's.
@@ -230,13 +238,52 @@ fn limits_over(base: &SandboxLimits, req: &CreateSandboxRequest) -> SandboxLimit
     }
 }
 
-fn agent_config(l: &SandboxLimits, tier: &dyn IsolationTier) -> AgentConfig {
+fn agent_config(
+    l: &SandboxLimits,
+    tier: &dyn IsolationTier,
+    runtime: &moat_api::TemplateConfig,
+) -> AgentConfig {
     AgentConfig {
         nofile: Some(l.nofile),
         output_bytes: Some(l.output_bytes),
         command_timeout: Some(l.command_timeout as f64),
         oom_counter: tier.oom_counter_inside(),
         nproc: tier.process_limit_inside().then_some(l.pids),
+        user: runtime.user.clone(),
+        cwd: runtime.workdir.clone(),
+    }
+}
+
+/// What a new sandbox stands on and starts with: its template's or its snapshot's root, layers,
+/// environment, default user and working directory, and start command.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Stack {
+    pub root: Option<String>,
+    pub layers: Vec<String>,
+    /// Without `env`, which goes into the sandbox's own environment.
+    pub runtime: moat_api::TemplateConfig,
+    pub env: BTreeMap<String, String>,
+}
+
+impl Stack {
+    pub fn of_template(t: &crate::db::TemplateRecord) -> Stack {
+        let mut runtime = t.config.clone();
+        let env = std::mem::take(&mut runtime.env);
+        Stack {
+            root: t.root.clone(),
+            layers: t.layers.clone(),
+            runtime,
+            env,
+        }
+    }
+
+    fn of_snapshot(s: &crate::db::SnapshotRecord) -> Stack {
+        Stack {
+            root: s.root.clone(),
+            layers: s.layers.clone(),
+            runtime: s.runtime.clone(),
+            env: s.env.clone(),
+        }
     }
 }
 
@@ -283,6 +330,7 @@ impl Sandboxes {
         let host_disk_mb = nix::sys::statvfs::statvfs(&args.data_dir)
             .map(|s| (s.blocks() * s.fragment_size()) >> 20)
             .unwrap_or(1 << 20);
+        let registries = crate::template::spec::Registries::from_args(&args).unwrap_or_default();
         Sandboxes {
             args,
             db,
@@ -300,6 +348,9 @@ impl Sandboxes {
             op_locks: std::sync::Mutex::new(HashMap::new()),
             layer_lock: std::sync::Mutex::new(()),
             default_network,
+            builds: std::sync::Mutex::new(HashMap::new()),
+            registries,
+            pull_secrets: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -562,7 +613,11 @@ impl Sandboxes {
         };
         moat_api::validate_template_name(&template)
             .map_err(|m| ApiError::invalid("template", m))?;
-        let template_rootfs = self.templates.ensure(&self.db, &template).await?;
+        let stack = match &snapshot {
+            Some(s) => Stack::of_snapshot(s),
+            None => Stack::of_template(&self.templates.ensure(&self.db, &template).await?),
+        };
+        let template_rootfs = self.root_path(&template, stack.root.as_deref()).await?;
 
         let network = self.network_policy(isolation, req.network.as_ref())?;
         let limits = match &snapshot {
@@ -570,7 +625,7 @@ impl Sandboxes {
             None => self.limits_for(&req),
         };
         self.validate_limits(&limits)?;
-        let mut env = snapshot.as_ref().map(|s| s.env.clone()).unwrap_or_default();
+        let mut env = stack.env.clone();
         env.extend(req.env);
         let now = now_ms();
         let claim = Claim {
@@ -597,7 +652,7 @@ impl Sandboxes {
                 return Ok(self.api(&rec));
             }
         }
-        let rec = self.new_record(claim, isolation, snapshot.as_ref());
+        let rec = self.new_record(claim, isolation, snapshot.as_ref(), stack);
         let rec = self.start_new(rec, tier, template_rootfs).await?;
         tracing::info!(sandbox = %rec.id, template = %rec.template, snapshot = ?rec.snapshot, "created");
         Ok(self.api(&rec))
@@ -609,6 +664,7 @@ impl Sandboxes {
         claim: Claim,
         isolation: Isolation,
         snapshot: Option<&crate::db::SnapshotRecord>,
+        stack: Stack,
     ) -> SandboxRecord {
         let id = new_sandbox_id();
         SandboxRecord {
@@ -628,13 +684,39 @@ impl Sandboxes {
             pooled: false,
             limits: claim.limits,
             last_active_ms: claim.created_at_ms,
-            layers: snapshot.map(|s| s.layers.clone()).unwrap_or_default(),
+            layers: stack.layers,
             snapshot: snapshot.map(|s| s.id.clone()),
             on_timeout: claim.on_timeout,
             network: claim.network,
             access_token: new_access_token(),
             public_traffic: claim.public_traffic,
+            root: stack.root,
+            runtime: stack.runtime,
         }
+    }
+
+    /// The directory at the bottom of a sandbox's layer stack: its template's rootfs (built on first
+    /// use for `base`), another template's (`template:NAME`) or a layer.
+    pub(crate) async fn root_path(
+        &self,
+        template: &str,
+        root: Option<&str>,
+    ) -> ApiResult<std::path::PathBuf> {
+        let name = match root {
+            None => template,
+            Some(digest) if digest.starts_with("sha256:") => {
+                let p = self.layers.path(digest)?;
+                if !p.is_dir() {
+                    return Err(ApiError::internal(format!(
+                        "the base layer {digest} of template {template} is missing"
+                    )));
+                }
+                return Ok(p);
+            }
+            Some(r) => r.strip_prefix("template:").unwrap_or(r),
+        };
+        self.templates.ensure(&self.db, name).await?;
+        Ok(self.templates.rootfs(name))
     }
 
     fn pool_serves(&self, template: &str, isolation: Isolation) -> bool {
@@ -672,7 +754,7 @@ impl Sandboxes {
                 .map_err(|e| anyhow::anyhow!("{}", e.0))?;
             if claim.limits != defaults {
                 agent
-                    .configure(&agent_config(&claim.limits, tier.as_ref()))
+                    .configure(&agent_config(&claim.limits, tier.as_ref(), &rec.runtime))
                     .await?;
             }
             if !claim.env.is_empty() {
@@ -768,7 +850,7 @@ impl Sandboxes {
                 self.full_image_of(rec.snapshot.as_deref())?
             },
         };
-        let config = agent_config(&rec.limits, tier.as_ref());
+        let config = agent_config(&rec.limits, tier.as_ref(), &rec.runtime);
         let restoring = spec.restore.is_some();
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
@@ -782,6 +864,9 @@ impl Sandboxes {
         if restoring && !rec.env.is_empty() {
             // The restored agent has the snapshotted sandbox's environment; this one's goes over it.
             agent.set_env(&rec.env).await?;
+        }
+        if let (Some(start), false) = (&rec.runtime.start, restoring) {
+            start::run(&agent, start).await?;
         }
         self.db.set_tier_state(&id, SandboxState::Running, &state)?;
         Ok((agent, state))
@@ -814,7 +899,11 @@ impl Sandboxes {
 
     async fn fill_one(&self, template: &str) -> ApiResult<()> {
         let tier = self.tier(self.args.default_isolation)?;
-        let rootfs = self.templates.rootfs(template);
+        let stack = match self.db.get_template(template)? {
+            Some(t) => Stack::of_template(&t),
+            None => return Err(ApiError::conflict(format!("template {template} is gone"))),
+        };
+        let rootfs = self.root_path(template, stack.root.as_deref()).await?;
         let id = new_sandbox_id();
         let rec = SandboxRecord {
             hostname: format!("sbx-{}", &id[4..16]),
@@ -825,7 +914,7 @@ impl Sandboxes {
             created_at_ms: now_ms(),
             expires_at_ms: i64::MAX / 2,
             metadata: BTreeMap::new(),
-            env: BTreeMap::new(),
+            env: stack.env,
             cpu: self.args.default_cpu,
             memory_mb: self.args.default_memory_mb,
             slot: 0,
@@ -833,7 +922,7 @@ impl Sandboxes {
             pooled: true,
             limits: self.limits_for(&CreateSandboxRequest::default()),
             last_active_ms: 0,
-            layers: Vec::new(),
+            layers: stack.layers,
             snapshot: None,
             on_timeout: moat_api::OnTimeout::Kill,
             network: self
@@ -841,6 +930,8 @@ impl Sandboxes {
                 .then(moat_api::NetworkPolicy::default),
             access_token: new_access_token(),
             public_traffic: false,
+            root: stack.root,
+            runtime: stack.runtime,
         };
         let rec = self.start_new(rec, tier, rootfs).await?;
         tracing::debug!(sandbox = %rec.id, "added to the warm pool");
@@ -1181,6 +1272,7 @@ impl Sandboxes {
     /// At start: re-adopts sandboxes whose agent still runs, removes the rest, and sweeps leftovers that
     /// no database row owns.
     pub async fn recover(&self) -> Result<()> {
+        self.recover_builds()?;
         let mut live = HashSet::new();
         // Paused sandboxes without processes: files only, not swept.
         let mut kept_files = HashSet::new();
@@ -1188,6 +1280,14 @@ impl Sandboxes {
             let Some(tier) = self.tiers.get(&rec.isolation).cloned() else {
                 continue;
             };
+            if rec.metadata.contains_key(builds::BUILD_LABEL) {
+                // Its build ended with the daemon.
+                tracing::info!(sandbox = %rec.id, "removing a sandbox of an interrupted build");
+                if let Err(e) = self.destroy(rec).await {
+                    tracing::error!("{e:#}");
+                }
+                continue;
+            }
             let alive = match (&rec.state, &rec.tier_state) {
                 (SandboxState::Running | SandboxState::Paused, Some(s)) => {
                     tier.is_alive(&rec.id, s).await

@@ -1,6 +1,7 @@
 //! The REST API: routing, API-key auth, the OpenAPI document and the error fallbacks.
 
 mod audit;
+mod builds;
 mod code;
 pub mod mcp;
 mod network;
@@ -51,6 +52,7 @@ pub type St = State<Arc<AppState>>;
         proxy::rename, proxy::remove, proxy::download_tar, proxy::upload_tar, proxy::watch,
         ws::process_ws,
         templates::list, templates::get, templates::register, templates::build, templates::pull, templates::delete,
+        builds::list, builds::get, builds::events, builds::cancel, builds::prune,
         code::run, code::create_context, code::list_contexts, code::restart_context, code::delete_context,
         audit::list, audit::for_sandbox,
         network::log, network::proposal, network::template_proposal,
@@ -182,6 +184,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/templates/{name}/build", post(templates::build))
         .route("/v1/templates/{name}/pull", post(templates::pull))
+        .route("/v1/builds", get(builds::list))
+        .route("/v1/builds/{id}", get(builds::get))
+        .route("/v1/builds/{id}/events", get(builds::events))
+        .route("/v1/builds/{id}/cancel", post(builds::cancel))
+        .route("/v1/build-cache", delete(builds::prune))
         .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/v1/sandboxes/{id}/reset", post(snapshots::reset))
         .route("/v1/sandboxes/{id}/pause", post(snapshots::pause))

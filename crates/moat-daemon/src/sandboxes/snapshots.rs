@@ -150,7 +150,7 @@ impl Sandboxes {
     }
 
     /// Removes layers no sandbox or snapshot uses any more.
-    pub(super) fn gc_layers(&self) {
+    pub(crate) fn gc_layers(&self) {
         let _g = self
             .layer_lock
             .lock()
@@ -170,16 +170,23 @@ impl Sandboxes {
 
     /// Disk used by templates, the layer store and sandboxes' writable layers.
     pub async fn disk_usage(&self) -> ApiResult<moat_api::DiskUsage> {
+        let mut plain_bytes = 0;
         let templates: Vec<moat_api::DiskUsageItem> = self
             .db
             .list_templates()?
             .into_iter()
-            .map(|t| moat_api::DiskUsageItem {
-                name: t.name,
-                count: 1,
-                bytes: t.size_bytes,
+            .map(|t| {
+                if t.source != moat_api::TemplateSource::Spec {
+                    plain_bytes += t.size_bytes;
+                }
+                moat_api::DiskUsageItem {
+                    name: t.name,
+                    count: 1,
+                    bytes: t.size_bytes,
+                }
             })
             .collect();
+        let (cache_entries, cache_bytes) = self.db.cache_usage()?;
         let store = self.layers.clone();
         let (count, bytes) = tokio::task::spawn_blocking(move || store.usage())
             .await
@@ -204,11 +211,15 @@ impl Sandboxes {
             count,
             bytes,
         };
-        let total_bytes =
-            templates.iter().map(|t| t.bytes).sum::<u64>() + layers.bytes + sandboxes.bytes;
+        let total_bytes = plain_bytes + layers.bytes + sandboxes.bytes;
         Ok(moat_api::DiskUsage {
             templates,
             layers,
+            build_cache: moat_api::DiskUsageItem {
+                name: "build cache".into(),
+                count: cache_entries,
+                bytes: cache_bytes,
+            },
             snapshots: self.db.list_snapshots()?.len() as u64,
             sandboxes,
             total_bytes,
@@ -299,14 +310,15 @@ impl Sandboxes {
                 }
             }
         };
-        let layers = self.layers.clone();
-        let committed = {
+        // Hashed off the async threads; moved into the store below, under the layer lock, together
+        // with the snapshot's row (a collection in between would take the new layer away).
+        let hashed = {
             let scratch = scratch.clone();
-            tokio::task::spawn_blocking(move || layers.commit(&scratch))
+            tokio::task::spawn_blocking(move || crate::layers::digest_tree(&scratch))
                 .await
                 .map_err(|e| ApiError::internal(format!("snapshot of {id}: {e}")))?
         };
-        let (digest, size_bytes) = match committed {
+        let (digest, size_bytes) = match hashed {
             Ok(v) => v,
             Err(e) => {
                 let _ = crate::host::mount::remove_unmounted_tree(&scratch);
@@ -337,12 +349,23 @@ impl Sandboxes {
             limits: rec.limits.clone(),
             env: rec.env.clone(),
             metadata: req.metadata,
+            root: rec.root.clone(),
+            runtime: rec.runtime.clone(),
         };
         {
             let _g = self
                 .layer_lock
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let digest = snap.layers.last().cloned().unwrap_or_default();
+            if let Err(e) = self.layers.commit_hashed(&scratch, &digest, size_bytes) {
+                drop(_g);
+                let _ = crate::host::mount::remove_unmounted_tree(&scratch);
+                if let Some(image) = &image {
+                    let _ = std::fs::remove_dir_all(image);
+                }
+                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+            }
             if let Err(e) = self.db.insert_snapshot(&snap) {
                 drop(_g);
                 if let Some(image) = &image {
@@ -471,12 +494,21 @@ impl Sandboxes {
                         ),
                     ));
                 }
+                if snap.root != rec.root {
+                    return Err(ApiError::invalid(
+                        "snapshot",
+                        format!(
+                            "snapshot {} stands on another build of template {} than sandbox {id}",
+                            snap.id, rec.template
+                        ),
+                    ));
+                }
                 (snap.layers, Some(snap.id))
             }
             None => (rec.layers.clone(), rec.snapshot.clone()),
         };
         let tier = self.tier(rec.isolation)?;
-        let rootfs = self.templates.ensure(&self.db, &rec.template).await?;
+        let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
         self.db.set_state(id, SandboxState::Starting)?;
         self.agents.write().await.remove(id);
         let restarted = async {
@@ -583,7 +615,7 @@ impl Sandboxes {
         timeout: u64,
     ) -> ApiResult<PauseResult> {
         let id = rec.id.clone();
-        let rootfs = self.templates.ensure(&self.db, &rec.template).await?;
+        let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
         self.db.set_state(&id, SandboxState::Starting)?;
         match self.boot(&rec, &tier, rootfs, true).await {
             Ok((agent, _state)) => {

@@ -448,7 +448,7 @@ async fn run_debootstrap(
             tail.pop_front();
         }
         tail.push_back(line.clone());
-        emit(events, BuildEvent::Log { line }).await;
+        emit(events, BuildEvent::Log { line, step: None }).await;
     }
     for reader in readers {
         let _ = reader.await;
@@ -579,24 +579,30 @@ async fn finalize(target: &Path) -> anyhow::Result<()> {
     )
     .await?;
     let etc = target.join("etc");
-    ensure_dir(&etc.join("sudoers.d"), 0o755).await?;
-    write_file(
-        &etc.join("sudoers.d/user"),
-        "user ALL=(ALL:ALL) NOPASSWD: ALL\n",
-        0o440,
-    )
-    .await?;
-    chroot(
-        target,
-        &[
-            "visudo",
-            "--check",
-            "--quiet",
-            "--file",
-            "/etc/sudoers.d/user",
-        ],
-    )
-    .await?;
+    // Passwordless sudo for `user` where sudo is installed (a bare release from a spec may not have it).
+    if tokio::fs::symlink_metadata(target.join("usr/sbin/visudo"))
+        .await
+        .is_ok()
+    {
+        ensure_dir(&etc.join("sudoers.d"), 0o755).await?;
+        write_file(
+            &etc.join("sudoers.d/user"),
+            "user ALL=(ALL:ALL) NOPASSWD: ALL\n",
+            0o440,
+        )
+        .await?;
+        chroot(
+            target,
+            &[
+                "visudo",
+                "--check",
+                "--quiet",
+                "--file",
+                "/etc/sudoers.d/user",
+            ],
+        )
+        .await?;
+    }
     write_file(&etc.join("hostname"), "moat\n", 0o644).await?;
     write_file(&etc.join("hosts"), HOSTS, 0o644).await?;
     // debootstrap copies the host's resolver configuration; a sandbox's DNS is set up by moat.
@@ -915,7 +921,7 @@ deb [arch=amd64 signed-by=/usr/share/keyrings/k.gpg] http://mirror.example/debia
         drop(tx);
         let mut logs = Vec::new();
         while let Some(event) = rx.recv().await {
-            if let BuildEvent::Log { line } = event {
+            if let BuildEvent::Log { line, .. } = event {
                 logs.push(line);
             }
         }

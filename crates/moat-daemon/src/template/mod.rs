@@ -6,4 +6,5 @@
 pub mod debootstrap;
 pub mod import;
 pub mod oci;
+pub mod spec;
 pub mod store;

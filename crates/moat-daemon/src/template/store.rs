@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use super::{debootstrap, import, oci};
 use crate::db::{Db, TemplateRecord};
 use crate::error::{ApiError, ApiResult};
-use crate::sandboxes::{now_ms, rfc3339};
+use crate::sandboxes::rfc3339;
 
 pub struct TemplateStore {
     dir: PathBuf,
@@ -30,6 +30,10 @@ pub fn to_api(r: &TemplateRecord) -> Template {
         size_bytes: r.size_bytes,
         created_at: rfc3339(r.created_at_ms),
         error: r.error.clone(),
+        from: r.from_desc.clone(),
+        layers: r.layers.clone(),
+        config: r.config.clone(),
+        build_id: r.build_id.clone(),
     }
 }
 
@@ -83,10 +87,10 @@ impl TemplateStore {
             .ok_or_else(|| ApiError::not_found("name", format!("template {name} not found")))
     }
 
-    /// Root filesystem of a ready template; the `base` template is built on first use.
-    pub async fn ensure(&self, db: &Db, name: &str) -> ApiResult<PathBuf> {
+    /// A ready template; the `base` template is built on first use.
+    pub async fn ensure(&self, db: &Db, name: &str) -> ApiResult<TemplateRecord> {
         match db.get_template(name)? {
-            Some(t) if t.status == TemplateStatus::Ready => Ok(self.rootfs(name)),
+            Some(t) if t.status == TemplateStatus::Ready => Ok(t),
             Some(t) if t.status == TemplateStatus::Building => Err(ApiError::conflict(format!(
                 "template {name} is still building"
             ))),
@@ -96,7 +100,9 @@ impl TemplateStore {
                 let drain = tokio::spawn(async move { while rx.recv().await.is_some() {} });
                 let r = self.build(db, name, tx).await;
                 drain.abort();
-                r.map(|_| self.rootfs(name))
+                r?;
+                db.get_template(name)?
+                    .ok_or_else(|| ApiError::internal(format!("template {name} vanished")))
             }
             Some(t) => Err(ApiError::conflict(format!(
                 "template {name} is not ready ({})",
@@ -123,9 +129,16 @@ impl TemplateStore {
                 let _ = events
                     .send(BuildEvent::Log {
                         line: format!("template {name} is already built"),
+                        step: None,
                     })
                     .await;
                 return Ok(to_api(&t));
+            }
+            if t.source == TemplateSource::Spec && t.status != TemplateStatus::Building {
+                return Err(ApiError::invalid(
+                    "spec",
+                    format!("template {name} is built from a spec; build it with its spec (moat template build {name} -f moat.toml)"),
+                ));
             }
             if t.source != TemplateSource::Debootstrap && t.status == TemplateStatus::Ready {
                 return Err(ApiError::conflict(format!(
@@ -136,7 +149,7 @@ impl TemplateStore {
         let users = db.template_users(name)?;
         if users > 0 {
             return Err(ApiError::conflict(format!(
-                "template {name} is used by {users} sandbox(es) or snapshot(s); remove them first"
+                "template {name} is used by {users} sandbox(es), snapshot(s) or template(s); remove them first"
             )));
         }
         let mut opts = debootstrap::DebootstrapOptions::from_host(self.cache_dir.clone())?;
@@ -255,14 +268,7 @@ impl TemplateStore {
         F: FnOnce(PathBuf) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>>,
     {
-        let mut rec = TemplateRecord {
-            name: name.to_string(),
-            source,
-            status: TemplateStatus::Building,
-            size_bytes: 0,
-            created_at_ms: now_ms(),
-            error: None,
-        };
+        let mut rec = TemplateRecord::plain(name, source, TemplateStatus::Building);
         db.upsert_template(&rec)?;
         let staging = self.staging(name);
         let _ = std::fs::remove_dir_all(&staging);
@@ -292,13 +298,14 @@ impl TemplateStore {
         }
     }
 
-    /// Removes a template no sandbox uses.
+    /// Removes a template no sandbox uses (a spec-built template's layers go with the next layer
+    /// collection, unless the build cache or others hold them).
     pub fn remove(&self, db: &Db, name: &str) -> ApiResult<()> {
         self.get(db, name)?;
         let users = db.template_users(name)?;
         if users > 0 {
             return Err(ApiError::conflict(format!(
-                "template {name} is used by {users} sandbox(es) or snapshot(s)"
+                "template {name} is used by {users} sandbox(es), snapshot(s) or template(s)"
             )));
         }
         let dir = self.dir.join(name);
