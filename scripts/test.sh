@@ -54,6 +54,15 @@ python3 -m venv target/pyvenv
 target/pyvenv/bin/pip install --quiet ./sdk/python pytest
 MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q sdk/python/tests
 
+echo "== e2b"
+# E2B's official Python SDKs, unmodified and pinned (the newest 2.x on PyPI when this was written),
+# against moat's E2B-compatible API (docs/e2b.md): the tests start their own daemon with it on a
+# free port and set E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY (uid base 3800000000).
+# A venv of its own: E2B's dependencies stay out of the moat SDK's.
+python3 -m venv target/e2b-venv
+target/e2b-venv/bin/pip install --quiet "e2b==2.63.0" "e2b-code-interpreter==2.11.5" pytest
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/e2b-venv/bin/pytest -q tests/e2b
+
 echo "== mcp"
 # moat's MCP server over stdio (`moat mcp`) and streamable HTTP (`/mcp`), driven by the official MCP
 # Python SDK; the tests start their own daemon (uid base 3900000000) like the SDK tests do.

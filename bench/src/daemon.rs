@@ -85,6 +85,7 @@ impl Daemon {
             .arg(data_dir)
             .arg("--agent")
             .arg(agent)
+            .args(["--e2b-listen", "off"])
             .args(extra)
             // No sandbox networking: the bench's sandboxes, like the peers, get an empty network
             // namespace and never a NAT path out of this machine. (A daemon older than the

@@ -177,6 +177,12 @@ impl Daemon {
         } else {
             &["--network", "none"][..]
         })
+        // Many daemons run at once: none takes the E2B API's default port unless a test asks.
+        .args(if self.extra_args.iter().any(|a| a == "--e2b-listen") {
+            &[][..]
+        } else {
+            &["--e2b-listen", "off"][..]
+        })
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())

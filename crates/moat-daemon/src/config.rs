@@ -129,12 +129,31 @@ pub struct ServeArgs {
     /// npm registry the `npm` steps of template builds install from; default: registry.npmjs.org.
     #[arg(long, env = "MOAT_BUILD_NPM_REGISTRY", value_name = "URL")]
     pub build_npm_registry: Option<String>,
+    /// Address of the E2B-compatible API (E2B's SDKs with `E2B_API_URL` and `E2B_SANDBOX_URL` set to
+    /// `http://` this address; docs/e2b.md), or `off`.
+    #[arg(
+        long,
+        env = "MOAT_E2B_LISTEN",
+        default_value = "127.0.0.1:6629",
+        value_name = "ADDR|off"
+    )]
+    pub e2b_listen: String,
     /// Largest build context (the files a template spec's `copy` steps take) accepted, in MiB.
     #[arg(long, env = "MOAT_MAX_BUILD_CONTEXT_MB", default_value_t = 2048)]
     pub max_build_context_mb: u64,
 }
 
 impl ServeArgs {
+    /// The E2B API's address, None when it is `off`.
+    pub fn e2b_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
+        match self.e2b_listen.trim() {
+            "off" | "none" | "" => Ok(None),
+            a => a.parse().map(Some).map_err(|e| {
+                anyhow::anyhow!("--e2b-listen {a}: {e} (an address like 127.0.0.1:6629, or off)")
+            }),
+        }
+    }
+
     /// Path of the API key file the daemon creates on first start and the CLI reads.
     pub fn api_key_path(&self) -> PathBuf {
         api_key_path(&self.data_dir)

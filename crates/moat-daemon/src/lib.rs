@@ -10,6 +10,7 @@ pub mod audit;
 pub mod code;
 pub mod config;
 pub mod db;
+pub mod e2b;
 pub mod error;
 pub mod extract;
 pub mod host;
@@ -113,6 +114,14 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         audit: audit.clone(),
         netlog,
     });
+    if let Some(addr) = args.e2b_addr()? {
+        let e2b = e2b::E2b::new(state.clone());
+        tokio::spawn(async move {
+            if let Err(err) = e2b::serve(e2b, addr, shutdown_signal()).await {
+                tracing::error!("{err:#}");
+            }
+        });
+    }
     let app = api::router(state.clone()).merge(api::mcp::routes(state, args.listen)?);
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await

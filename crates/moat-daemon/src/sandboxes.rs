@@ -434,6 +434,16 @@ impl Sandboxes {
         out
     }
 
+    /// Whether sandboxes of the default tier get a network.
+    pub fn networking_default(&self) -> bool {
+        self.networking(self.args.default_isolation)
+    }
+
+    /// Size of the data directory's filesystem, MiB.
+    pub fn host_disk_mb(&self) -> u64 {
+        self.host_disk_mb
+    }
+
     /// Whether sandboxes of this tier get a network (`moat serve --network nat`).
     fn networking(&self, isolation: Isolation) -> bool {
         self.tiers

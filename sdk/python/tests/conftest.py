@@ -42,7 +42,7 @@ def _mounts_under(path: str) -> list:
 
 
 class Daemon:
-    def __init__(self):
+    def __init__(self, extra_args=None):
         for p in (BIN, AGENT):
             if not os.path.exists(p):
                 raise RuntimeError(f"{p} is missing: build with `cargo build -p moat-cli && bash scripts/build-agent.sh`")
@@ -59,7 +59,7 @@ class Daemon:
             [BIN, "serve", "--listen", self.url[len("http://"):], "--data-dir", self.data_dir, "--agent", AGENT,
              "--uid-base", UID_BASE, "--pool-size", "0", "--default-template", "base",
              # Tests never give sandboxes a way out of the host (network safety rules).
-             "--network", "none"],
+             "--network", "none", *(extra_args or ["--e2b-listen", "off"])],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.api_key = self._wait_ready()
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.api_key}"},

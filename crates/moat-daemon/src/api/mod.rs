@@ -5,7 +5,7 @@ mod builds;
 mod code;
 pub mod mcp;
 mod network;
-mod ports;
+pub(crate) mod ports;
 mod proxy;
 mod sandboxes;
 mod snapshots;
@@ -329,7 +329,7 @@ fn path_param(template: &str, path: &str, name: &str) -> Option<String> {
         .filter(|v| !v.is_empty())
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

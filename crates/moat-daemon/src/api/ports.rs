@@ -158,7 +158,7 @@ async fn relay(
     id: &str,
     port: u16,
     path_and_query: String,
-    mut req: Request,
+    req: Request,
     host_form: bool,
 ) -> Result<Response, ApiError> {
     let sbx = st.sandboxes.get(id)?;
@@ -176,6 +176,29 @@ async fn relay(
             q.split('&')
                 .any(|kv| kv.split('=').next() == Some(TOKEN_PARAM))
         });
+    let mut resp = relay_unchecked(st, &sbx, port, path_and_query, req).await?;
+    if set_cookie {
+        let cookie = format!(
+            "{TOKEN_COOKIE}={}; Path=/; HttpOnly; SameSite=Lax",
+            sbx.access_token
+        );
+        if let Ok(v) = HeaderValue::from_str(&cookie) {
+            resp.headers_mut().append(header::SET_COOKIE, v);
+        }
+    }
+    Ok(resp)
+}
+
+/// Relays a request (its caller checked who may) to `port` inside the sandbox, WebSocket upgrades
+/// included.
+pub(crate) async fn relay_unchecked(
+    st: &AppState,
+    sbx: &moat_api::Sandbox,
+    port: u16,
+    path_and_query: String,
+    mut req: Request,
+) -> Result<Response, ApiError> {
+    let id = sbx.id.as_str();
     let agent = st.sandboxes.agent(id).await?;
     let io = agent.tcp_tunnel(port).await.map_err(|e| {
         ApiError::new(
@@ -229,15 +252,6 @@ async fn relay(
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(header::CONNECTION);
     parts.headers.remove("keep-alive");
-    if set_cookie {
-        let cookie = format!(
-            "{TOKEN_COOKIE}={}; Path=/; HttpOnly; SameSite=Lax",
-            sbx.access_token
-        );
-        if let Ok(v) = HeaderValue::from_str(&cookie) {
-            parts.headers.append(header::SET_COOKIE, v);
-        }
-    }
     Ok(Response::from_parts(parts, Body::new(body)))
 }
 
