@@ -889,3 +889,149 @@ async fn full_snapshot_of_a_networked_sandbox_forks_with_its_own_address() {
     }
     c.delete_snapshot(&snap.id).await.unwrap();
 }
+
+/// A POST to the daemon's E2B API (it listens inside the test's "host" namespace); the status and
+/// the JSON answer.
+fn e2b_post(
+    topo: &Topology,
+    port: u16,
+    key: &str,
+    path: &str,
+    body: &str,
+) -> (u16, serde_json::Value) {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &topo.host,
+            "curl",
+            "-s",
+            "-m",
+            "60",
+            "-w",
+            "\n%{http_code}",
+            "-X",
+        ])
+        .args(["POST", &format!("http://127.0.0.1:{port}{path}")])
+        .args([
+            "-H",
+            &format!("X-API-KEY: {key}"),
+            "-H",
+            "Content-Type: application/json",
+        ])
+        .args(["-d", body])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (json, status) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (
+        status.trim().parse().unwrap_or(0),
+        serde_json::from_str(json).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn e2b_network_options_become_the_egress_policy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = 6629 + (std::process::id() % 1000) as u16;
+    let (topo, d, c, _deny) = networked_daemon(
+        tmp.path(),
+        "10.222.0.0/16",
+        &["--e2b-listen", &format!("127.0.0.1:{port}")],
+    )
+    .await;
+    let key = d.api_key();
+    // The E2B listener comes up beside the API.
+    let mut up = false;
+    for _ in 0..50 {
+        if e2b_post(&topo, port, &key, "/v2/sandboxes/none/connect", "{}").0 == 404 {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(up, "the E2B API did not answer");
+    // E2B's SDK: allow_internet_access=False plus an allowOut entry (allow beats deny).
+    let (status, made) = e2b_post(
+        &topo,
+        port,
+        &key,
+        "/v2/sandboxes",
+        &format!(
+            r#"{{"templateID":"bb","timeout":120,"metadata":{{}},"envVars":{{}},"allow_internet_access":false,"network":{{"allowOut":["{INTERNET}"]}}}}"#
+        ),
+    );
+    assert_eq!(status, 201, "{made}");
+    let id = made["sandboxID"].as_str().unwrap().to_string();
+    let s = c.get_sandbox(&id).await.unwrap();
+    let policy = s.network.expect("a network").policy;
+    assert!(!policy.allow_internet, "{policy:?}");
+    assert_eq!(policy.allow_out, vec![INTERNET.to_string()]);
+    assert_eq!(policy.deny_out, vec!["0.0.0.0/0".to_string()]);
+    assert_eq!(
+        fetch(&c, &id, &format!("http://{INTERNET}:8080/"))
+            .await
+            .as_deref(),
+        Some("hello")
+    );
+    assert_eq!(fetch(&c, &id, &format!("http://{EVIL}:8080/")).await, None);
+    // update_network: the same mapping, live.
+    let (status, _) = {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &topo.host,
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-X",
+                "PUT",
+            ])
+            .arg(format!("http://127.0.0.1:{port}/sandboxes/{id}/network"))
+            .args([
+                "-H",
+                &format!("X-API-KEY: {key}"),
+                "-H",
+                "Content-Type: application/json",
+            ])
+            .args([
+                "-d",
+                &format!(r#"{{"allowOut":["{EVIL}"],"denyOut":["0.0.0.0/0"]}}"#),
+            ])
+            .output()
+            .unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse::<u16>()
+                .unwrap_or(0),
+            (),
+        )
+    };
+    assert_eq!(status, 204);
+    assert_eq!(
+        fetch(&c, &id, &format!("http://{INTERNET}:8080/")).await,
+        None
+    );
+    // Options moat has no equivalent for are refused, naming them.
+    let (status, err) = e2b_post(
+        &topo,
+        port,
+        &key,
+        "/v2/sandboxes",
+        r#"{"templateID":"bb","metadata":{},"envVars":{},"network":{"dnsServers":["198.51.100.1"]}}"#,
+    );
+    assert_eq!(status, 400);
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("network.dnsServers"),
+        "{err}"
+    );
+    c.delete_sandbox(&id).await.unwrap();
+}

@@ -72,11 +72,7 @@ pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
             "missing or wrong API key: send X-API-KEY with moat's API key (E2B_API_KEY, the file api-key in moat's data dir)",
         );
     }
-    let segs: Vec<String> = path
-        .trim_matches('/')
-        .split('/')
-        .map(percent)
-        .collect();
+    let segs: Vec<String> = path.trim_matches('/').split('/').map(percent).collect();
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let query = req.uri().query().map(str::to_string);
     let body = req.into_body();
