@@ -24,6 +24,8 @@ packages=(
     openssl           # tests: self-signed certificates of the network test's HTTPS servers
     runsc             # the gvisor isolation tier (and a bench peer)
     bubblewrap runc podman  # bench: the peers moat is measured against
+    qemu-system-x86   # the microvm isolation tier
+    kmod              # scripts/guest-kernel.sh: depmod and modprobe --show-depends on the guest kernel
 )
 
 missing=()

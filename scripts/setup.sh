@@ -15,6 +15,8 @@ if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
     . "$HOME/.cargo/env"
 fi
 bash scripts/deps.sh
+# The microvm tier's guest kernel (Debian's cloud kernel and its virtio modules).
+bash scripts/guest-kernel.sh
 cargo build --release -p moat-cli
 agent=$(bash scripts/build-agent.sh --release)
 

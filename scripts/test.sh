@@ -15,6 +15,8 @@ if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
     . "$HOME/.cargo/env"
 fi
 bash scripts/deps.sh
+# The microvm tier's guest kernel, for its unit and end-to-end tests.
+bash scripts/guest-kernel.sh
 
 echo "== cargo fmt"
 cargo fmt --all -- --check
@@ -39,6 +41,11 @@ cargo test --workspace "$@"
 # guarantees something else than a container, the test checks that (tests/e2e/GVISOR.md).
 echo "== cargo test (e2e, gvisor tier)"
 MOAT_E2E_ISOLATION=gvisor cargo test -p moat-cli --test e2e
+
+# The end-to-end modules that the microvm tier implements, on it (docs/microvm-tier.md): the same tests
+# again with every sandbox a QEMU microVM (TCG where KVM cannot boot a guest, as on the build machine).
+echo "== cargo test (e2e, microvm tier)"
+MOAT_E2E_ISOLATION=microvm cargo test -p moat-cli --test e2e -- lifecycle:: commands:: files:: code::
 
 # The benchmark's quick mode: every scenario's code path against moat and the installed peers, tiny
 # counts, no timing judged (docs/benchmarks.md).

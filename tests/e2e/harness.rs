@@ -56,6 +56,7 @@ pub fn is_container() -> bool {
 pub fn sandbox_dir(data_dir: &Path, id: &str) -> PathBuf {
     let tier = match isolation() {
         moat_api::Isolation::Gvisor => "gvisor",
+        moat_api::Isolation::Microvm => "microvm",
         _ => "sandboxes",
     };
     data_dir.join(tier).join(id)
@@ -406,6 +407,16 @@ pub fn main_pid(pids: &[u32]) -> u32 {
     if is_container() {
         return *pids.iter().min().unwrap();
     }
+    if isolation() == moat_api::Isolation::Microvm {
+        // The VM's QEMU (its only process on the host).
+        return *pids
+            .iter()
+            .find(|p| {
+                std::fs::read_link(format!("/proc/{p}/exe"))
+                    .is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
+            })
+            .unwrap_or_else(|| panic!("no qemu-system-x86_64 among {pids:?}"));
+    }
     *pids
         .iter()
         .find(|p| {
@@ -423,7 +434,12 @@ pub fn host_facts(id: &str) -> HostFacts {
     );
     // The lowest pid holds the sandbox's namespaces: its PID 1 (container), or runsc's gofer (gVisor's
     // Sentry itself stays in the host's pid namespace; its tasks are not host processes).
-    let pid1 = *pids.iter().min().unwrap();
+    // A microVM's QEMU holds its namespaces (network, IPC, UTS; it stays in the host's pid namespace).
+    let pid1 = if isolation() == moat_api::Isolation::Microvm {
+        main_pid(&pids)
+    } else {
+        *pids.iter().min().unwrap()
+    };
     HostFacts {
         id: id.to_string(),
         host_uid: uid_of(pid1),
@@ -576,8 +592,9 @@ fn namespace_holders(facts: &HostFacts) -> Option<String> {
             let as_sandbox_uid = uid_line
                 .split_whitespace()
                 .any(|u| u == facts.host_uid.to_string());
-            // Only a container sandbox has host ids of its own (gVisor's run as runsc's).
-            if !zombie && as_sandbox_uid && is_container() {
+            // A container sandbox and a microVM's QEMU run as host ids of their own (gVisor's run
+            // as runsc's).
+            if !zombie && as_sandbox_uid && isolation() != moat_api::Isolation::Gvisor {
                 return Some(format!(
                     "process {pid} still runs as the sandbox's host uid {}",
                     facts.host_uid
@@ -595,7 +612,11 @@ fn namespace_holders(facts: &HostFacts) -> Option<String> {
     }
     namespaces_in_use
         .into_iter()
-        .find(|(ns, _)| ns == &facts.netns || ns == &facts.pidns)
+        .find(|(ns, _)| {
+            ns == &facts.netns
+                // A microVM's QEMU is in the host's pid namespace: that one stays, of course.
+                || (ns == &facts.pidns && isolation() != moat_api::Isolation::Microvm)
+        })
         .map(|(ns, who)| format!("namespace {ns} of {} still in use by {who}", facts.id))
 }
 

@@ -12,19 +12,23 @@ mod server;
 mod tarops;
 mod tcp;
 mod users;
+mod vm;
 mod watch;
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
 const USAGE: &str =
-    "usage: moat-agent (--listen-fd N | --listen PATH) [--output-buffer-bytes N] | moat-agent --sync";
+    "usage: moat-agent (--listen-fd N | --listen PATH | --vm) [--output-buffer-bytes N] | moat-agent --sync";
 
 #[derive(Debug, PartialEq)]
 enum Listen {
     Fd(i32),
     Path(String),
+    /// PID 1 of a microVM guest: boots the guest and serves on its virtio-serial port.
+    Vm,
 }
 
 #[derive(Debug, PartialEq)]
@@ -45,6 +49,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 listen = Some(Listen::Fd(v.parse().map_err(|_| format!("bad fd {v:?}"))?));
             }
             "--listen" => listen = Some(Listen::Path(value()?)),
+            "--vm" => listen = Some(Listen::Vm),
             "--output-buffer-bytes" => {
                 let v = value()?;
                 output_buffer_bytes = v
@@ -56,7 +61,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    let listen = listen.ok_or("one of --listen-fd or --listen is required")?;
+    let listen = listen.ok_or("one of --listen-fd, --listen or --vm is required")?;
     Ok(Options {
         listen,
         output_buffer_bytes,
@@ -77,6 +82,34 @@ fn open_listener(listen: &Listen) -> Result<std::os::unix::net::UnixListener, St
             let _ = std::fs::remove_file(p);
             std::os::unix::net::UnixListener::bind(p).map_err(|e| format!("binding {p}: {e}"))
         }
+        Listen::Vm => Err("a VM's agent has no listener".into()),
+    }
+}
+
+/// VM mode: boots the guest (or powers it off when that fails: the daemon sees the VM end and
+/// reports the console's last lines).
+fn vm_boot() -> BTreeMap<String, String> {
+    match vm::boot() {
+        Ok(config) => {
+            if let Err(e) = init::loopback_up() {
+                eprintln!("moat-agent: bringing lo up: {e}");
+            }
+            let procs = CString::new(format!("{}/cgroup.procs", moat_api::guest::SANDBOX_CGROUP))
+                .expect("no NUL in a constant path");
+            let _ = vm::JOIN_CGROUP.set(procs);
+            let mut env: BTreeMap<String, String> = BTreeMap::from([(
+                "PATH".to_string(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+            )]);
+            env.extend(config.env);
+            env
+        }
+        Err(e) => {
+            eprintln!("moat-agent: guest boot failed: {e}");
+            // SAFETY: reboot(2) with a valid command; it does not return on success.
+            unsafe { libc::reboot(libc::RB_POWER_OFF) };
+            std::process::exit(1);
+        }
     }
 }
 
@@ -95,10 +128,15 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let listener = match open_listener(&opts.listen).and_then(|l| {
-        l.set_nonblocking(true).map_err(|e| e.to_string())?;
-        Ok(l)
-    }) {
+    let vm_env = (opts.listen == Listen::Vm).then(vm_boot);
+    let listener = match vm_env.is_some() {
+        true => None,
+        false => Some(open_listener(&opts.listen).and_then(|l| {
+            l.set_nonblocking(true).map_err(|e| e.to_string())?;
+            Ok(l)
+        })),
+    };
+    let listener = match listener.transpose() {
         Ok(l) => l,
         Err(msg) => {
             eprintln!("moat-agent: {msg}");
@@ -113,9 +151,11 @@ fn main() {
             eprintln!("moat-agent: PR_SET_DUMPABLE: {e}");
         }
     }
-    let base_env: BTreeMap<String, String> = std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .collect();
+    let base_env: BTreeMap<String, String> = vm_env.unwrap_or_else(|| {
+        std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect()
+    });
     let procs = process::Processes::new(opts.output_buffer_bytes);
     {
         let procs = Arc::clone(&procs);
@@ -143,6 +183,9 @@ fn main() {
         base_env: std::sync::RwLock::new(base_env),
     });
     rt.block_on(async move {
+        let Some(listener) = listener else {
+            return vm::serve(agent).await;
+        };
         let listener = match tokio::net::UnixListener::from_std(listener) {
             Ok(l) => l,
             Err(e) => {
@@ -153,7 +196,7 @@ fn main() {
         eprintln!("moat-agent {} listening", env!("CARGO_PKG_VERSION"));
         let rebind = match &opts.listen {
             Listen::Path(p) => Some(std::path::PathBuf::from(p)),
-            Listen::Fd(_) => None,
+            Listen::Fd(_) | Listen::Vm => None,
         };
         server::serve(listener, agent, rebind).await;
     });

@@ -318,11 +318,21 @@ impl Processes {
         let (uid, gid) = (spec.user.uid, spec.user.gid);
         let groups: Vec<libc::gid_t> = spec.user.groups.clone();
         let oom_adj_path = c"/proc/self/oom_score_adj";
+        // VM mode: every process joins the sandbox's cgroup (its limits and OOM count).
+        let join_cgroup: Option<&'static std::ffi::CStr> =
+            crate::vm::JOIN_CGROUP.get().map(|c| c.as_c_str());
         // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
         // syscalls (open, write, close, setrlimit, setsid, setpgid, ioctl, setgroups, setgid, setuid) on
         // data allocated before the fork.
         unsafe {
             cmd.pre_exec(move || {
+                if let Some(procs) = join_cgroup {
+                    let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    libc::close(fd);
+                }
                 // The OOM killer takes a sandbox process before the agent (best effort: a process
                 // may lower it again, to 0 at most, which still leaves the agent the smallest).
                 let fd = libc::open(oom_adj_path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);

@@ -165,18 +165,23 @@ async fn accept_one(listener: &UnixListener, agent: &Arc<Agent>, conns: &mut Joi
             return;
         }
     };
-    let agent = Arc::clone(agent);
-    conns.spawn(async move {
-        let svc = service_fn(move |req| handle(Arc::clone(&agent), req));
-        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-        builder
-            .initial_stream_window_size(1 << 20)
-            .initial_connection_window_size(4 << 20)
-            .max_concurrent_streams(1024);
-        if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
-            eprintln!("moat-agent: connection ended: {e}");
-        }
-    });
+    conns.spawn(serve_stream(stream, Arc::clone(agent)));
+}
+
+/// Serves one HTTP/2 connection over any byte stream (a unix socket, a VM's serial port).
+pub async fn serve_stream<S>(stream: S, agent: Arc<Agent>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req| handle(Arc::clone(&agent), req));
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(4 << 20)
+        .max_concurrent_streams(1024);
+    if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+        eprintln!("moat-agent: connection ended: {e}");
+    }
 }
 
 /// Answers one request; errors become JSON error responses, never panics.

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod code;
 pub mod error;
 pub mod files;
+pub mod guest;
 pub mod network;
 pub mod process;
 pub mod sandbox;

@@ -64,6 +64,18 @@ pub struct ServeArgs {
     /// Default idle timeout in seconds (killed after this long without an API request for it); 0: never.
     #[arg(long, env = "MOAT_DEFAULT_IDLE_TIMEOUT", default_value_t = 0)]
     pub default_idle_timeout: u64,
+    /// Directory of the microvm tier's guest kernel (vmlinuz, modules/, modules.order), as
+    /// scripts/guest-kernel.sh installs it.
+    #[arg(
+        long,
+        env = "MOAT_GUEST_KERNEL",
+        default_value = "/usr/local/lib/moat/guest"
+    )]
+    pub guest_kernel: PathBuf,
+    /// Accelerator of the microvm tier: auto (KVM when a probe guest boots under it, else TCG), kvm
+    /// or tcg.
+    #[arg(long, env = "MOAT_MICROVM_ACCEL", default_value = "auto")]
+    pub microvm_accel: crate::tier::microvm::AccelChoice,
     /// First host uid/gid of the ranges sandbox users map to (each sandbox gets 65536 ids).
     #[arg(long, env = "MOAT_UID_BASE", default_value_t = 1_000_000_000)]
     pub uid_base: u32,

@@ -78,13 +78,23 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
              use it only to measure what hardening costs"
         );
     }
+    let agent_path_for_microvm = agent.clone();
     let gvisor = tier::gvisor::GvisorTier::new(
         args.data_dir.join("gvisor"),
         agent,
         cgroups.clone(),
         network.clone(),
     )?;
-    let tiers: Vec<Arc<dyn tier::IsolationTier>> = vec![Arc::new(container), Arc::new(gvisor)];
+    let microvm = tier::microvm::MicrovmTier::new(
+        &args.data_dir,
+        agent_path_for_microvm,
+        args.guest_kernel.clone(),
+        args.uid_base,
+        cgroups.clone(),
+        args.microvm_accel,
+    )?;
+    let tiers: Vec<Arc<dyn tier::IsolationTier>> =
+        vec![Arc::new(container), Arc::new(gvisor), Arc::new(microvm)];
     let sandboxes = Arc::new(sandboxes::Sandboxes::new(
         args.clone(),
         db.clone(),

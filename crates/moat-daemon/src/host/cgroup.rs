@@ -90,6 +90,16 @@ impl CgroupLayout {
     }
 
     /// Directories of the group `name` (one per hierarchy; v1 hierarchies mounted together are listed once).
+    /// The `cgroup.procs` files of cgroup `name` in every hierarchy, as C strings for
+    /// [`join_from_pre_exec`] (made before a fork: nothing may be allocated after it).
+    pub fn procs_files(&self, name: &str) -> Result<Vec<std::ffi::CString>> {
+        self.dirs(name)
+            .iter()
+            .map(|d| std::ffi::CString::new(d.join("cgroup.procs").as_os_str().as_encoded_bytes()))
+            .collect::<Result<_, _>>()
+            .map_err(Into::into)
+    }
+
     pub fn dirs(&self, name: &str) -> Vec<PathBuf> {
         match self {
             CgroupLayout::V2 { root, parent } => vec![root.join(parent).join(name)],
@@ -406,6 +416,28 @@ fn frozen_v2(events: &str) -> bool {
     events
         .lines()
         .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["frozen", "1"])
+}
+
+/// Moves the calling process into the cgroups whose `cgroup.procs` files are `procs` (from
+/// [`CgroupLayout::procs_files`]). Only open, write and close, which are async-signal-safe: it is
+/// meant for a `pre_exec` hook, between fork and exec.
+pub fn join_from_pre_exec(procs: &[std::ffi::CString]) -> std::io::Result<()> {
+    for p in procs {
+        // SAFETY: `p` is a NUL-terminated path; open/write/close are async-signal-safe and the
+        // descriptor is closed before returning.
+        unsafe {
+            let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+            libc::close(fd);
+            if !ok {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

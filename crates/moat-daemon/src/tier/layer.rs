@@ -106,7 +106,7 @@ pub fn copy(src: &Path, dest: &Path) -> Result<()> {
 
 /// Bytes (allocated) and entries under `dir`, counting at most `max_entries` (a layer without a disk
 /// quota has no cheaper source).
-fn tree_usage(dir: &Path, max_entries: u64) -> (u64, u64) {
+pub(crate) fn tree_usage(dir: &Path, max_entries: u64) -> (u64, u64) {
     use std::os::unix::fs::MetadataExt;
     let (mut bytes, mut n) = (0u64, 0u64);
     let mut stack = vec![dir.to_path_buf()];

@@ -15,6 +15,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub mod container;
 pub mod gvisor;
 pub mod layer;
+pub mod microvm;
 
 /// Everything a tier needs to start a sandbox.
 #[derive(Debug, Clone)]
@@ -201,6 +202,24 @@ pub trait IsolationTier: Send + Sync {
 
 /// Runs a tier's blocking `start` of `spec`; when it fails, removes what it left behind (a sandbox
 /// coming back over its files keeps them: release instead of destroy).
+/// The start-up sweep's last step on every tier: destroys each of `names` (sandbox directories or
+/// runtime ids found on the host) that no live sandbox owns, and returns those it removed.
+pub(crate) async fn destroy_unowned<T: IsolationTier + ?Sized>(
+    tier: &T,
+    names: Vec<String>,
+    live: &HashSet<String>,
+) -> Result<Vec<String>> {
+    use anyhow::Context;
+    let mut removed = Vec::new();
+    for name in names.into_iter().filter(|n| !live.contains(n)) {
+        tier.destroy(&name, None)
+            .await
+            .with_context(|| format!("sweep {name}"))?;
+        removed.push(name);
+    }
+    Ok(removed)
+}
+
 pub(crate) async fn start_or_clean<T, S>(
     tier: &T,
     spec: &SandboxSpec,

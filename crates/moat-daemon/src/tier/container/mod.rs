@@ -500,14 +500,7 @@ impl IsolationTier for ContainerTier {
                 let _ = std::fs::remove_dir(&view);
             }
         }
-        let mut removed = Vec::new();
-        for name in names.into_iter().filter(|n| !live.contains(n)) {
-            self.destroy(&name, None)
-                .await
-                .with_context(|| format!("sweep {name}"))?;
-            removed.push(name);
-        }
-        Ok(removed)
+        super::destroy_unowned(self, names, live).await
     }
 }
 

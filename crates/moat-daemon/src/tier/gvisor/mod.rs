@@ -314,27 +314,12 @@ impl GvisorTier {
     /// cgroup, so that everything it forks is limited and accounted there; with `private_net_proc`
     /// also in a private mount namespace with an empty /proc/sys/net (see [`Self::start`]).
     fn in_sandbox_cgroup(&self, cmd: &mut Command, id: &str, private_net_proc: bool) -> Result<()> {
-        let procs: Vec<std::ffi::CString> = self
-            .cgroups
-            .dirs(id)
-            .iter()
-            .map(|d| std::ffi::CString::new(d.join("cgroup.procs").as_os_str().as_encoded_bytes()))
-            .collect::<Result<_, _>>()?;
+        let procs = self.cgroups.procs_files(id)?;
         // SAFETY: between fork and exec only open/write/close/unshare/mount, which are
         // async-signal-safe, on C strings made before the fork; nothing is allocated.
         unsafe {
             cmd.pre_exec(move || {
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
-                    libc::close(fd);
-                    if !ok {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
+                crate::host::cgroup::join_from_pre_exec(&procs)?;
                 if private_net_proc && !hide_proc_sys_net() {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -1164,14 +1149,7 @@ impl IsolationTier for GvisorTier {
                 }
             }
         }
-        let mut removed = Vec::new();
-        for name in names.into_iter().filter(|n| !live.contains(n)) {
-            self.destroy(&name, None)
-                .await
-                .with_context(|| format!("sweep {name}"))?;
-            removed.push(name);
-        }
-        Ok(removed)
+        super::destroy_unowned(self, names, live).await
     }
 }
 
