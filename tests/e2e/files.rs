@@ -128,6 +128,12 @@ async fn file_operations() {
         .unwrap();
     assert_eq!(moved.path, "/work/g.txt");
     assert_eq!(read_all(&c, id, "/work/g.txt").await, b"hello");
+    // Kernel files report sizes that are not their content's (0 in /proc, 4096 in /sys): they are
+    // read to their end, as `cat` would.
+    let version = read_all(&c, id, "/proc/version").await;
+    assert!(version.starts_with(b"Linux version"), "{version:?}");
+    let cat = sh(&c, id, "cat /proc/version").await.stdout;
+    assert_eq!(String::from_utf8_lossy(&version), cat);
     // Atomic replace: the new content, the old mode.
     c.write_file(id, "/work/g.txt", "bye", &WriteOptions::default())
         .await

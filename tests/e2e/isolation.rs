@@ -9,18 +9,27 @@ async fn sandbox_is_isolated_from_host() {
     let s = create(&c, "base").await;
 
     // PID 1 is the agent, and only the sandbox's own processes are visible.
+    let vm = isolation() == moat_api::Isolation::Microvm;
+    // A guest kernel's own threads are visible in its /proc (they have no command line): a microVM
+    // counts the processes that have one.
+    let count = if vm {
+        "n=0; for p in /proc/[0-9]*; do [ -n \"$(tr -d '\\0' < $p/cmdline 2>/dev/null)\" ] && n=$((n+1)); done; echo $n"
+    } else {
+        "ls /proc | grep -c '^[0-9]'"
+    };
     let out = sh(
         &c,
         &s.id,
-        "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'",
+        &format!("cat /proc/1/cmdline | tr '\\0' ' '; echo; {count}"),
     )
     .await;
     let mut lines = out.stdout.lines();
-    // gVisor starts it by its path (an OCI process has no argv[0] of its own).
-    let agent = if is_container() {
-        "moat-agent "
-    } else {
-        "/dev/.moat/agent "
+    // gVisor starts it by its path (an OCI process has no argv[0] of its own); a guest kernel runs
+    // it as the initramfs's /init.
+    let agent = match isolation() {
+        moat_api::Isolation::Container => "moat-agent ",
+        moat_api::Isolation::Gvisor => "/dev/.moat/agent ",
+        moat_api::Isolation::Microvm => "/init --vm",
     };
     assert!(lines.next().unwrap().starts_with(agent), "{}", out.stdout);
     let visible: u32 = lines.next().unwrap().trim().parse().unwrap();
@@ -75,9 +84,10 @@ async fn sandbox_is_isolated_from_host() {
             assert_eq!(uid_of(*pid), facts.host_uid);
         }
     } else {
-        // gVisor: root inside is a task of the Sentry, which runs as an unprivileged host user.
-        let sentry = main_pid(&facts.pids);
-        assert_ne!(uid_of(sentry), 0, "the Sentry runs as root");
+        // gVisor: root inside is a task of the Sentry, which runs as an unprivileged host user; a
+        // microVM's root is the guest's, and QEMU runs as the sandbox's unprivileged host uid.
+        let main = main_pid(&facts.pids);
+        assert_ne!(uid_of(main), 0, "the sandbox's host process runs as root");
     }
 
     // A host file is invisible inside.
@@ -96,6 +106,16 @@ async fn sandbox_is_isolated_from_host() {
     assert!(out.stdout.trim_end().ends_with('0'), "{}", out.stdout);
 
     // A file written inside lands only in the sandbox's own writable layer.
+    let base_images = || -> Vec<(std::path::PathBuf, std::time::SystemTime)> {
+        std::fs::read_dir(d.data_dir.join("microvm-images"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("base-"))
+            .map(|e| (e.path(), e.metadata().unwrap().modified().unwrap()))
+            .collect()
+    };
+    let images_before = base_images();
     let inside = format!("inside-marker-{}", std::process::id());
     let out = sh(
         &c,
@@ -108,26 +128,39 @@ async fn sandbox_is_isolated_from_host() {
     assert!(!std::path::Path::new(&format!("/tmp/{inside}")).exists());
     let template_etc = d.data_dir.join("templates/base/rootfs/etc").join(&inside);
     assert!(!template_etc.exists(), "write leaked into the template");
-    // The writable layer is `disk/upper` on the sandbox's disk image, or `upper` without a disk quota.
     let dir = sandbox_dir(&d.data_dir, &s.id);
-    let layer = if dir.join("disk/upper").is_dir() {
-        dir.join("disk/upper")
+    if vm {
+        // A guest writes to its own disk image; the shared read-only base images are unchanged.
+        assert!(dir.join("disk.img").is_file());
+        assert!(!images_before.is_empty());
+        let after = base_images();
+        for (path, mtime) in &images_before {
+            assert!(
+                after.contains(&(path.clone(), *mtime)),
+                "{path:?} was written"
+            );
+        }
     } else {
-        dir.join("upper")
-    };
-    let upper = layer.join("etc").join(&inside);
-    assert!(upper.exists(), "write is not in the sandbox's own layer");
-    use std::os::unix::fs::MetadataExt;
-    if is_container() {
-        assert_eq!(
-            std::fs::metadata(&upper).unwrap().uid(),
-            facts.host_uid,
-            "files of sandbox root are owned by its host uid"
-        );
-    } else {
-        // gVisor keeps the ids the sandbox used (root = 0) in a directory only root can enter.
-        assert_eq!(std::fs::metadata(&upper).unwrap().uid(), 0);
-        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        // The writable layer is `disk/upper` on the sandbox's disk image, or `upper` without a disk quota.
+        let layer = if dir.join("disk/upper").is_dir() {
+            dir.join("disk/upper")
+        } else {
+            dir.join("upper")
+        };
+        let upper = layer.join("etc").join(&inside);
+        assert!(upper.exists(), "write is not in the sandbox's own layer");
+        use std::os::unix::fs::MetadataExt;
+        if is_container() {
+            assert_eq!(
+                std::fs::metadata(&upper).unwrap().uid(),
+                facts.host_uid,
+                "files of sandbox root are owned by its host uid"
+            );
+        } else {
+            // gVisor keeps the ids the sandbox used (root = 0) in a directory only root can enter.
+            assert_eq!(std::fs::metadata(&upper).unwrap().uid(), 0);
+            assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        }
     }
 
     // Escapes through the file API resolve inside the sandbox.
@@ -144,7 +177,7 @@ async fn sandbox_is_isolated_from_host() {
         "../../../../etc/hostname",
         "/../../etc/hostname",
     ] {
-        if !is_container() && path == "/tmp/rootlink/etc/hostname" {
+        if isolation() == moat_api::Isolation::Gvisor && path == "/tmp/rootlink/etc/hostname" {
             // This host's runsc drops what follows a symlink to "/" (docs/gvisor-tier.md): the path
             // ends at the sandbox's own root directory, which is refused — still nothing of the host.
             let err = c.read_file(&s.id, path).await.err().expect("read refused");
@@ -200,7 +233,7 @@ async fn sandboxes_do_not_see_each_other() {
         assert_ne!(
             main_pid(&fa.pids),
             main_pid(&fb.pids),
-            "each has its own Sentry"
+            "each has its own Sentry (or QEMU)"
         );
     }
     assert_ne!(fa.netns, fb.netns);

@@ -133,7 +133,9 @@ pub async fn read_file(query: Option<&str>) -> HandlerResult {
     if meta.is_dir() {
         return Err(ApiError::invalid("path", format!("{shown} is a directory")));
     }
-    let len = meta.is_file().then_some(meta.len());
+    // A size is sent only where it is the content's: files of /proc, /sys and cgroupfs report 0 or
+    // 4096 whatever they hold, and are streamed to their end instead.
+    let len = (meta.is_file() && meta.len() > 0 && !on_pseudo_fs(&file)).then_some(meta.len());
     let (tx, rx) = mpsc::channel(8);
     tokio::task::spawn_blocking(move || {
         let mut file = file;
@@ -156,6 +158,26 @@ pub async fn read_file(query: Option<&str>) -> HandlerResult {
         }
     });
     Ok(streamed("application/octet-stream", rx, len))
+}
+
+/// Whether a file is on a kernel pseudo filesystem (procfs, sysfs, cgroupfs, ...), whose sizes
+/// mean nothing.
+fn on_pseudo_fs(file: &std::fs::File) -> bool {
+    use nix::sys::statfs::{
+        fstatfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC, DEBUGFS_MAGIC, PROC_SUPER_MAGIC,
+        SECURITYFS_MAGIC, SYSFS_MAGIC,
+    };
+    fstatfs(file).is_ok_and(|st| {
+        [
+            PROC_SUPER_MAGIC,
+            SYSFS_MAGIC,
+            CGROUP_SUPER_MAGIC,
+            CGROUP2_SUPER_MAGIC,
+            DEBUGFS_MAGIC,
+            SECURITYFS_MAGIC,
+        ]
+        .contains(&st.filesystem_type())
+    })
 }
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);

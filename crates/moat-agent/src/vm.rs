@@ -106,12 +106,13 @@ pub fn boot() -> Result<GuestConfig, String> {
         MsFlags::MS_NOSUID,
         Some("mode=0755"),
     )?;
-    let config: GuestConfig = serde_json::from_slice(
-        &std::fs::read(guest::CONFIG_PATH).map_err(|e| err(guest::CONFIG_PATH, e))?,
-    )
-    .map_err(|e| err(guest::CONFIG_PATH, e))?;
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     load_modules(&cmdline)?;
+    let config_disk = disk_by_serial(guest::CONFIG_DISK_SERIAL)?;
+    let config: GuestConfig = guest::decode_config_disk(
+        &std::fs::read(&config_disk).map_err(|e| err(&config_disk.to_string_lossy(), e))?,
+    )
+    .map_err(|e| err("the configuration disk", e))?;
 
     let base = disk_by_serial(guest::BASE_DISK_SERIAL)?;
     let rw = disk_by_serial(guest::RW_DISK_SERIAL)?;
@@ -178,7 +179,10 @@ pub fn boot() -> Result<GuestConfig, String> {
         nosuid_nodev | MsFlags::MS_NOEXEC,
         none,
     )?;
-    write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids")?;
+    write_file(
+        "/sys/fs/cgroup/cgroup.subtree_control",
+        "+cpu +memory +pids",
+    )?;
     std::fs::create_dir_all(guest::SANDBOX_CGROUP).map_err(|e| err(guest::SANDBOX_CGROUP, e))?;
     if config.memory_bytes > 0 {
         write_file(
@@ -188,12 +192,27 @@ pub fn boot() -> Result<GuestConfig, String> {
         // No swap in the guest; the limit is the memory.
         let _ = write_file(&format!("{}/memory.swap.max", guest::SANDBOX_CGROUP), "0");
     }
+    if config.cpu > 0.0 {
+        // A CFS quota per 100 ms period: fractions of the VM's vCPUs (whole ones are its -smp).
+        let quota = ((config.cpu * 100_000.0) as u64).max(1000);
+        write_file(
+            &format!("{}/cpu.max", guest::SANDBOX_CGROUP),
+            &format!("{quota} 100000"),
+        )?;
+    }
     if config.pids > 0 {
         write_file(
             &format!("{}/pids.max", guest::SANDBOX_CGROUP),
             &config.pids.to_string(),
         )?;
     }
+    // Memory is bounded by the sandbox cgroup's memory.max, as on the other tiers: an allocation
+    // larger than the guest's RAM succeeds and the cgroup's OOM killer ends the process that touches
+    // too much (reported as `reason: "oom"`), instead of the heuristic refusing it up front (a
+    // MemoryError where a container sandbox would be OOM-killed). The agent itself, outside that
+    // cgroup, is never the guest OOM killer's choice.
+    write_file("/proc/sys/vm/overcommit_memory", "1")?;
+    write_file("/proc/self/oom_score_adj", "-1000")?;
     nix::unistd::sethostname(&config.hostname).map_err(|e| err("sethostname", e))?;
     Ok(config)
 }

@@ -1,13 +1,14 @@
 //! What the microvm tier's daemon side tells the agent that boots as the guest's PID 1
-//! (docs/microvm-tier.md): written as JSON to [`CONFIG_PATH`] in a small initramfs archive of the
-//! VM's own, appended to the shared one with the agent and the kernel modules.
+//! (docs/microvm-tier.md): a [`GuestConfig`] as JSON on a small read-only disk of the VM's own
+//! (serial [`CONFIG_DISK_SERIAL`]), NUL-padded to whole sectors; the initramfs with the agent and
+//! the kernel modules is shared by every VM.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Where the agent finds its [`GuestConfig`] in the initramfs.
-pub const CONFIG_PATH: &str = "/moat/config.json";
+/// Serial number of the VM's configuration disk ([`encode_config_disk`]).
+pub const CONFIG_DISK_SERIAL: &str = "moat-config";
 /// Where the agent finds the kernel modules to load, one file name per line, in load order.
 pub const MODULES_ORDER: &str = "/moat/modules.order";
 /// The directory of those modules.
@@ -32,4 +33,41 @@ pub struct GuestConfig {
     pub pids: u64,
     /// Size of the tmpfs on /tmp in MiB; 0: /tmp is on the root filesystem.
     pub tmp_mb: u64,
+    /// CPU of [`SANDBOX_CGROUP`] in cores (its cpu.max), for fractions of the VM's vCPUs; 0: none.
+    #[serde(default)]
+    pub cpu: f64,
+}
+
+/// The configuration disk's bytes: the JSON, then NULs to a multiple of 4 KiB.
+pub fn encode_config_disk(config: &GuestConfig) -> Vec<u8> {
+    let mut v = serde_json::to_vec(config).expect("GuestConfig serialises");
+    v.resize(v.len().div_ceil(4096).max(1) * 4096, 0);
+    v
+}
+
+/// A [`GuestConfig`] from the configuration disk's bytes.
+pub fn decode_config_disk(bytes: &[u8]) -> Result<GuestConfig, serde_json::Error> {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    serde_json::from_slice(&bytes[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_disk_round_trips_in_whole_sectors() {
+        let c = GuestConfig {
+            hostname: "h".into(),
+            env: [("A".to_string(), "b c".to_string())].into(),
+            memory_bytes: 256 << 20,
+            pids: 64,
+            tmp_mb: 0,
+            cpu: 0.5,
+        };
+        let disk = encode_config_disk(&c);
+        assert_eq!(disk.len(), 4096);
+        assert_eq!(decode_config_disk(&disk).unwrap(), c);
+        assert!(decode_config_disk(&[0u8; 512]).is_err());
+    }
 }

@@ -89,6 +89,31 @@ impl AgentClient {
             .map_err(|e| anyhow!("agent request {path_and_query}: {e}"))
     }
 
+    /// A small file inside the sandbox as text (a kernel interface file, say); at most 1 MiB.
+    pub async fn read_text(&self, path: &str) -> Result<String> {
+        use http_body_util::{BodyExt, Limited};
+        let q: String = form_urlencoded::Serializer::new(String::new())
+            .append_pair("path", path)
+            .finish();
+        let resp = self
+            .send(
+                http::Method::GET,
+                &format!("/files?{q}"),
+                None,
+                Body::empty(),
+            )
+            .await?;
+        if !resp.status().is_success() {
+            bail!("agent: read {path}: {}", resp.status());
+        }
+        let body = Limited::new(resp.into_body(), 1 << 20)
+            .collect()
+            .await
+            .map_err(|e| anyhow!("agent: read {path}: {e}"))?
+            .to_bytes();
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
     /// POSTs `body` as JSON to the agent.
     async fn post(&self, path: &str, body: &impl serde::Serialize) -> Result<Response<Incoming>> {
         self.send(

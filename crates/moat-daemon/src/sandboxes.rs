@@ -879,6 +879,9 @@ impl Sandboxes {
             start::run(&agent, start).await?;
         }
         self.db.set_tier_state(&id, SandboxState::Running, &state)?;
+        // The idle clock starts when the sandbox can be used: a guest that took seconds to boot
+        // has not been idle for them.
+        self.db.touch(&id, now_ms())?;
         Ok((agent, state))
     }
 
@@ -1052,6 +1055,13 @@ impl Sandboxes {
         if let Ok(mut m) = self.cpu_samples.lock() {
             m.insert(id.to_string(), (at, u.cpu_usage_us));
         }
+        // A tier whose sandbox processes are in a cgroup inside (a microVM's guest) counts their OOM
+        // kills there; the host cgroup's count is QEMU's. Read through the agent, unless paused.
+        if let (Some(path), SandboxState::Running) = (tier.oom_counter_inside(), rec.state) {
+            if let Some(n) = self.inner_oom_kills(id, &path).await {
+                u.oom_kills = u.oom_kills.max(n);
+            }
+        }
         Ok(SandboxStats {
             id: id.to_string(),
             cpu_usage_us: u.cpu_usage_us,
@@ -1064,6 +1074,17 @@ impl Sandboxes {
             oom_kills: u.oom_kills,
             limits: rec.limits.clone(),
         })
+    }
+
+    /// The `oom_kill` count of a cgroup's `memory.events` inside the sandbox, read by its agent.
+    async fn inner_oom_kills(&self, id: &str, path: &str) -> Option<u64> {
+        let agent = self.agent_untouched(id).await.ok()?;
+        let text = tokio::time::timeout(Duration::from_secs(5), agent.read_text(path))
+            .await
+            .ok()?
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
     }
 
     pub fn get(&self, id: &str) -> ApiResult<Sandbox> {

@@ -108,15 +108,15 @@ pub fn build_base(template_rootfs: &Path, layers: &[PathBuf], out: &Path) -> Res
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     std::fs::rename(&tmp, out)?;
     tracing::info!(image = %out.display(), size_mb, took = ?started.elapsed(), "microvm base image built");
     Ok(())
 }
 
 /// Makes a VM's writable disk: a sparse ext4 image of `size_mb` MiB (with `inodes`, 0: mkfs's
-/// default), owned by `uid` (the VM's QEMU opens it).
-pub fn create_rw_disk(path: &Path, size_mb: u64, inodes: u64, uid: u32) -> Result<()> {
+/// default), root's and 0600: QEMU gets a descriptor of it, never its path.
+pub fn create_rw_disk(path: &Path, size_mb: u64, inodes: u64) -> Result<()> {
     {
         let f =
             std::fs::File::create(path).with_context(|| format!("create {}", path.display()))?;
@@ -130,7 +130,6 @@ pub fn create_rw_disk(path: &Path, size_mb: u64, inodes: u64, uid: u32) -> Resul
     }
     cmd.arg(path).arg(format!("{size_mb}M"));
     run(&mut cmd, "mkfs.ext4")?;
-    std::os::unix::fs::chown(path, Some(uid), Some(uid))?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     Ok(())
 }

@@ -1,7 +1,6 @@
-//! The guest's initramfs, written as cpio "newc" archives (the format the kernel unpacks): a shared
-//! one with the agent as `/init` and the kernel modules, built once per agent and kernel, and a tiny
-//! per-VM one with its [`moat_api::guest::GuestConfig`], appended (the kernel unpacks concatenated
-//! archives in order).
+//! The guest's initramfs, written as a cpio "newc" archive (the format the kernel unpacks): the agent
+//! as `/init` and the kernel modules, built once per agent and kernel and shared by every VM (each
+//! VM's own configuration is on a disk of its own, `moat_api::guest::encode_config_disk`).
 
 use std::io::Write;
 use std::path::Path;
@@ -119,31 +118,22 @@ pub fn shared(agent: &Path, guest_kernel: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The per-VM archive: its configuration.
-pub fn config(config: &moat_api::guest::GuestConfig) -> Result<Vec<u8>> {
-    let mut a = Newc::new(Vec::new());
-    a.dir("moat")?;
-    let name = moat_api::guest::CONFIG_PATH.trim_start_matches('/');
-    a.file(name, 0o600, &serde_json::to_vec(config)?)?;
-    a.finish()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn newc_entries_are_aligned_and_cpio_reads_them() {
-        let cfg = moat_api::guest::GuestConfig {
-            hostname: "h".into(),
-            ..Default::default()
-        };
-        let bytes = config(&cfg).unwrap();
+        let json = br#"{"hostname":"h"}"#;
+        let mut a = Newc::new(Vec::new());
+        a.dir("moat").unwrap();
+        a.file("moat/config.json", 0o600, json).unwrap();
+        let bytes = a.finish().unwrap();
         assert_eq!(bytes.len() % 4, 0);
         assert!(bytes.starts_with(b"070701"));
         // The trailer closes the archive.
         assert!(bytes.windows(10).any(|w| w == b"TRAILER!!!"));
-        let name = moat_api::guest::CONFIG_PATH.trim_start_matches('/');
+        let name = "moat/config.json";
         let pos = bytes
             .windows(name.len())
             .position(|w| w == name.as_bytes())
@@ -151,7 +141,6 @@ mod tests {
         // A header is 110 bytes before its name; the data starts 4-aligned after the name's NUL.
         assert_eq!((pos - 110) % 4, 0);
         let data_at = (pos + name.len() + 1).div_ceil(4) * 4;
-        let json = serde_json::to_vec(&cfg).unwrap();
         assert_eq!(&bytes[data_at..data_at + json.len()], &json[..]);
     }
 }

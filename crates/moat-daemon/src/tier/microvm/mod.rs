@@ -3,11 +3,12 @@
 //! the guest's PID 1 (`moat-agent --vm`, from an initramfs moat builds) and speaks the same protocol
 //! as on the other tiers, over a virtio-serial port that QEMU serves on a host unix socket.
 //!
-//! Layout under `<data_dir>/microvm/<id>/` (root's, 0711): `initrd` (the shared archive with the
-//! agent and modules plus this VM's configuration), `disk.img` (the VM's writable ext4 disk: the
-//! guest's overlay upper layer), `run/` (owned by the VM's uid: QEMU's agent and QMP sockets),
-//! `qemu.log` (QEMU's own stderr). Base images (one ext4 image per template + snapshot layer stack,
-//! read-only, shared) and the shared initramfs live under `<data_dir>/microvm-images/`.
+//! Layout under `<data_dir>/microvm/<id>/` (root's, 0700): `config.img` (this VM's configuration
+//! disk), `disk.img` (the VM's writable ext4 disk: the guest's overlay upper layer), `run/` (the
+//! agent's and QMP's listening sockets, bound by the daemon), `qemu.log` (QEMU's own stderr). Base
+//! images (one ext4 image per template + snapshot layer stack, read-only, shared) and the shared
+//! initramfs (the agent and the kernel modules) live under `<data_dir>/microvm-images/`. QEMU opens
+//! none of these by name: it inherits a descriptor of each.
 //!
 //! QEMU runs as the sandbox's own unprivileged host uid, in the sandbox's cgroup, in new network,
 //! IPC and UTS namespaces, with no new privileges and its seccomp filter on (`-sandbox on` denying
@@ -147,7 +148,7 @@ impl MicrovmTier {
         let images = data_dir.join("microvm-images");
         for d in [&root, &images] {
             std::fs::create_dir_all(d).with_context(|| format!("mkdir {}", d.display()))?;
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700))?;
         }
         let qemu = find_qemu();
         let tier = MicrovmTier {
@@ -359,7 +360,7 @@ impl MicrovmTier {
         let (accel, _) = self.accel()?;
         let dir = self.dir(&spec.id);
         std::fs::create_dir_all(&dir).context("mkdir the VM's directory")?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let uid = self.uid(spec.slot);
         let base = self.base_image(spec)?;
         let shared = self.shared_initrd()?;
@@ -370,17 +371,18 @@ impl MicrovmTier {
             memory_bytes: spec.limits.memory_mb << 20,
             pids: spec.limits.pids,
             tmp_mb: spec.limits.tmp_mb,
+            // Whole cores are the VM's vCPUs; a fraction is a quota inside.
+            cpu: if spec.limits.cpu.fract() > 0.0 {
+                spec.limits.cpu
+            } else {
+                0.0
+            },
         };
-        let initrd = dir.join("initrd");
-        let _ = std::fs::remove_file(&initrd);
-        std::fs::copy(&shared, &initrd).context("copy the initramfs")?;
-        {
-            use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().append(true).open(&initrd)?;
-            f.write_all(&initramfs::config(&config)?)?;
-        }
-        std::os::unix::fs::chown(&initrd, Some(uid), Some(uid))?;
-        std::fs::set_permissions(&initrd, std::fs::Permissions::from_mode(0o600))?;
+        let config_disk = dir.join("config.img");
+        let _ = std::fs::remove_file(&config_disk);
+        std::fs::write(&config_disk, moat_api::guest::encode_config_disk(&config))
+            .context("write the configuration disk")?;
+        std::fs::set_permissions(&config_disk, std::fs::Permissions::from_mode(0o600))?;
 
         let disk = dir.join("disk.img");
         if !(spec.keep_files && disk.exists()) {
@@ -389,29 +391,63 @@ impl MicrovmTier {
             } else {
                 DEFAULT_DISK_MB
             };
-            image::create_rw_disk(&disk, size, spec.limits.disk_inodes, uid)?;
+            image::create_rw_disk(&disk, size, spec.limits.disk_inodes)?;
         }
+        // QEMU opens nothing of the host by name: the daemon opens every file and binds both sockets,
+        // and QEMU gets the descriptors (drives through fd sets, so no permission of the VM's uid on
+        // any host path is needed, and a path in its arguments names nothing it could reopen).
+        let open = |p: &Path, write: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(p)
+                .with_context(|| format!("open {}", p.display()))
+        };
+        let kernel_f = open(&self.guest_kernel.join("vmlinuz"), false)?;
+        let initrd_f = open(&shared, false)?;
+        let base_f = open(&base, false)?;
+        let disk_f = open(&disk, true)?;
+        // QEMU opens a writable drive read-only first (to probe it), then read-write: its fd set
+        // holds one descriptor of each access mode.
+        let disk_ro_f = open(&disk, false)?;
+        let config_f = open(&config_disk, false)?;
         let run = dir.join("run");
         let _ = std::fs::remove_dir_all(&run);
         std::fs::create_dir(&run)?;
-        std::os::unix::fs::chown(&run, Some(uid), Some(uid))?;
         std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700))?;
+        let listen = |name: &str| -> Result<std::os::unix::net::UnixListener> {
+            let path = run.join(name);
+            let l = std::os::unix::net::UnixListener::bind(&path)
+                .with_context(|| format!("bind {}", path.display()))?;
+            // The daemon connects only to a socket of the VM's uid (qmp::connect_owned).
+            std::os::unix::fs::chown(&path, Some(uid), Some(uid))?;
+            Ok(l)
+        };
+        let agent_l = listen(AGENT_SOCK)?;
+        let qmp_l = listen(QMP_SOCK)?;
 
         self.cgroups
             .create(&spec.id, &Self::cgroup_limits(&spec.limits))?;
         let log = std::fs::File::create(dir.join("qemu.log")).context("create qemu.log")?;
         let vcpus = vcpus(&spec.limits);
         let mem_mb = spec.limits.memory_mb + GUEST_OVERHEAD_MB;
+        use std::os::fd::AsRawFd;
+        let fds = QemuFds {
+            kernel: kernel_f.as_raw_fd(),
+            initrd: initrd_f.as_raw_fd(),
+            base: base_f.as_raw_fd(),
+            disk: disk_f.as_raw_fd(),
+            disk_ro: disk_ro_f.as_raw_fd(),
+            config: config_f.as_raw_fd(),
+            agent: agent_l.as_raw_fd(),
+            qmp: qmp_l.as_raw_fd(),
+        };
         let mut cmd = Command::new(&qemu);
         cmd.args(qemu_args(&QemuArgs {
             accel,
             vcpus,
             mem_mb,
-            kernel: &self.guest_kernel.join("vmlinuz"),
-            initrd: &initrd,
-            base: &base,
-            disk: &disk,
-            run: &run,
+            fds,
             tsc_khz: match accel {
                 Accel::Tcg => host_tsc_khz(),
                 Accel::Kvm => None,
@@ -421,7 +457,7 @@ impl MicrovmTier {
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-        self.confine(&mut cmd, &spec.id, uid, accel)?;
+        self.confine(&mut cmd, &spec.id, uid, accel, fds.all())?;
         let started = std::time::Instant::now();
         let mut child = cmd.spawn().context("start qemu-system-x86_64")?;
         let pid = child.id();
@@ -462,7 +498,14 @@ impl MicrovmTier {
 
     /// Puts QEMU in the sandbox's cgroup and new network/IPC/UTS namespaces, in a session of its own,
     /// as the sandbox's uid with no new privileges (the kvm group only when it uses KVM).
-    fn confine(&self, cmd: &mut Command, id: &str, uid: u32, accel: Accel) -> Result<()> {
+    fn confine(
+        &self,
+        cmd: &mut Command,
+        id: &str,
+        uid: u32,
+        accel: Accel,
+        inherit: [std::os::fd::RawFd; 8],
+    ) -> Result<()> {
         let procs = self.cgroups.procs_files(id)?;
         let kvm_gid: Option<libc::gid_t> = if accel == Accel::Kvm {
             nix::unistd::Group::from_name("kvm")
@@ -473,9 +516,16 @@ impl MicrovmTier {
             None
         };
         // SAFETY: between fork and exec only async-signal-safe system calls (open, write, close,
-        // setsid, unshare, setgroups, setgid, setuid, prctl) on data prepared before the fork.
+        // fcntl, setsid, unshare, setgroups, setgid, setuid, prctl) on data prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
+                // The descriptors QEMU is given stay open across exec (the daemon opens all with
+                // O_CLOEXEC); they are open in the daemon until after the spawn.
+                for fd in inherit {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 crate::host::cgroup::join_from_pre_exec(&procs)?;
                 if libc::setsid() < 0
                     || libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS)
@@ -627,23 +677,49 @@ fn vcpus(l: &moat_api::SandboxLimits) -> u64 {
 }
 
 /// What a VM's QEMU command line is made of.
-struct QemuArgs<'a> {
+struct QemuArgs {
     accel: Accel,
     vcpus: u64,
     mem_mb: u64,
-    kernel: &'a Path,
-    initrd: &'a Path,
-    base: &'a Path,
-    disk: &'a Path,
-    run: &'a Path,
+    fds: QemuFds,
     /// The guest's TSC frequency, told to its kernel under TCG (see `host_tsc_khz`).
     tsc_khz: Option<u64>,
 }
 
+/// The descriptors QEMU inherits: every file and socket it uses (it opens no host path).
+#[derive(Clone, Copy)]
+struct QemuFds {
+    kernel: std::os::fd::RawFd,
+    initrd: std::os::fd::RawFd,
+    base: std::os::fd::RawFd,
+    disk: std::os::fd::RawFd,
+    /// The same disk, read-only.
+    disk_ro: std::os::fd::RawFd,
+    config: std::os::fd::RawFd,
+    /// Listening unix sockets.
+    agent: std::os::fd::RawFd,
+    qmp: std::os::fd::RawFd,
+}
+
+impl QemuFds {
+    fn all(&self) -> [std::os::fd::RawFd; 8] {
+        [
+            self.kernel,
+            self.initrd,
+            self.base,
+            self.disk,
+            self.disk_ro,
+            self.config,
+            self.agent,
+            self.qmp,
+        ]
+    }
+}
+
 /// QEMU's arguments for a VM: the microvm machine with no firmware ROMs, legacy devices or default
 /// devices; virtio over MMIO for the two disks and the serial port; the console in a ring buffer.
-fn qemu_args(a: &QemuArgs<'_>) -> Vec<String> {
-    let p = |p: &Path| p.to_string_lossy().into_owned();
+fn qemu_args(a: &QemuArgs) -> Vec<String> {
+    let f = &a.fds;
     let mut v: Vec<String> = vec![
         "-M".into(),
         "microvm,x-option-roms=off,rtc=off,isa-serial=on".into(),
@@ -669,10 +745,11 @@ fn qemu_args(a: &QemuArgs<'_>) -> Vec<String> {
         "-no-reboot".into(),
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        // The kernel and initramfs are read once at start, through the inherited descriptors.
         "-kernel".into(),
-        p(a.kernel),
+        format!("/proc/self/fd/{}", f.kernel),
         "-initrd".into(),
-        p(a.initrd),
+        format!("/proc/self/fd/{}", f.initrd),
         "-append".into(),
         match a.tsc_khz {
             Some(khz) => format!("{KERNEL_CMDLINE} tsc_early_khz={khz} -- --vm"),
@@ -682,40 +759,51 @@ fn qemu_args(a: &QemuArgs<'_>) -> Vec<String> {
         format!("ringbuf,id=console,size={CONSOLE_RING}"),
         "-serial".into(),
         "chardev:console".into(),
-        "-drive".into(),
-        format!(
-            "id=base,file={},format=raw,if=none,readonly=on,cache=none,aio=threads",
-            p(a.base)
+    ]);
+    // Disks: each descriptor in an fd set of its own, which QEMU duplicates instead of opening.
+    let disks = [
+        (f.base, "base", true, moat_api::guest::BASE_DISK_SERIAL),
+        (f.disk, "rw", false, moat_api::guest::RW_DISK_SERIAL),
+        (
+            f.config,
+            "config",
+            true,
+            moat_api::guest::CONFIG_DISK_SERIAL,
         ),
-        "-device".into(),
-        format!(
-            "virtio-blk-device,drive=base,serial={}",
-            moat_api::guest::BASE_DISK_SERIAL
-        ),
-        "-drive".into(),
-        format!(
-            "id=rw,file={},format=raw,if=none,cache=none,aio=threads,discard=unmap",
-            p(a.disk)
-        ),
-        "-device".into(),
-        format!(
-            "virtio-blk-device,drive=rw,serial={}",
-            moat_api::guest::RW_DISK_SERIAL
-        ),
+    ];
+    for (set, (fd, id, readonly, serial)) in (1..).zip(disks) {
+        v.extend(["-add-fd".into(), format!("fd={fd},set={set}")]);
+        if !readonly {
+            v.extend(["-add-fd".into(), format!("fd={},set={set}", f.disk_ro)]);
+        }
+        v.extend([
+            "-drive".into(),
+            format!(
+                "id={id},file=/dev/fdset/{set},format=raw,if=none,aio=threads{}",
+                if readonly {
+                    ",readonly=on"
+                } else {
+                    ",discard=unmap"
+                }
+            ),
+            "-device".into(),
+            format!("virtio-blk-device,drive={id},serial={serial}"),
+        ]);
+    }
+    v.extend([
         "-device".into(),
         "virtio-serial-device".into(),
         "-chardev".into(),
-        format!(
-            "socket,id=agent,path={},server=on,wait=off",
-            p(&a.run.join(AGENT_SOCK))
-        ),
+        format!("socket,id=agent,fd={},server=on,wait=off", f.agent),
         "-device".into(),
         format!(
             "virtserialport,chardev=agent,name={}",
             moat_api::guest::AGENT_PORT
         ),
-        "-qmp".into(),
-        format!("unix:{},server=on,wait=off", p(&a.run.join(QMP_SOCK))),
+        "-chardev".into(),
+        format!("socket,id=qmp,fd={},server=on,wait=off", f.qmp),
+        "-mon".into(),
+        "chardev=qmp,mode=control".into(),
     ]);
     v
 }
@@ -849,17 +937,24 @@ impl IsolationTier for MicrovmTier {
 mod tests {
     use super::*;
 
+    const FDS: QemuFds = QemuFds {
+        kernel: 10,
+        initrd: 11,
+        base: 12,
+        disk: 13,
+        disk_ro: 17,
+        config: 14,
+        agent: 15,
+        qmp: 16,
+    };
+
     #[test]
     fn qemu_runs_sandboxed_with_only_the_devices_it_needs() {
         let args = qemu_args(&QemuArgs {
             accel: Accel::Tcg,
             vcpus: 2,
             mem_mb: 608,
-            kernel: Path::new("/k/vmlinuz"),
-            initrd: Path::new("/d/initrd"),
-            base: Path::new("/i/base.ext4"),
-            disk: Path::new("/d/disk.img"),
-            run: Path::new("/d/run"),
+            fds: FDS,
             tsc_khz: Some(2_596_150),
         });
         let after = |flag: &str| -> Vec<&str> {
@@ -885,24 +980,37 @@ mod tests {
             assert!(sandbox[0].contains(deny), "{sandbox:?}");
         }
         assert!(args.iter().any(|a| a == "-nodefaults"));
+        // Nothing is opened by a host path: files come as inherited descriptors, drives as fd sets.
+        assert_eq!(after("-kernel"), ["/proc/self/fd/10"]);
+        assert_eq!(after("-initrd"), ["/proc/self/fd/11"]);
+        assert_eq!(
+            after("-add-fd"),
+            ["fd=12,set=1", "fd=13,set=2", "fd=17,set=2", "fd=14,set=3"]
+        );
         let drives = after("-drive");
-        assert!(drives[0].contains("file=/i/base.ext4") && drives[0].contains("readonly=on"));
-        assert!(drives[1].contains("file=/d/disk.img") && !drives[1].contains("readonly"));
-        assert!(after("-chardev")
+        assert!(drives[0].contains("file=/dev/fdset/1") && drives[0].contains("readonly=on"));
+        assert!(drives[1].contains("file=/dev/fdset/2") && !drives[1].contains("readonly"));
+        assert!(drives[2].contains("file=/dev/fdset/3") && drives[2].contains("readonly=on"));
+        let devices = after("-device");
+        for serial in ["moat-base", "moat-rw", "moat-config"] {
+            assert!(devices
+                .iter()
+                .any(|d| d.ends_with(&format!("serial={serial}"))));
+        }
+        let chardevs = after("-chardev");
+        assert!(chardevs.contains(&"socket,id=agent,fd=15,server=on,wait=off"));
+        assert!(chardevs.contains(&"socket,id=qmp,fd=16,server=on,wait=off"));
+        assert_eq!(after("-mon"), ["chardev=qmp,mode=control"]);
+        assert!(!args
             .iter()
-            .any(|c| c.starts_with("socket,id=agent,path=/d/run/agent.sock")));
-        assert_eq!(after("-qmp"), ["unix:/d/run/qmp.sock,server=on,wait=off"]);
+            .any(|a| a.starts_with('/') && !a.starts_with("/proc/self/fd/")));
         assert!(after("-append")[0].ends_with(" tsc_early_khz=2596150 -- --vm"));
         // Under KVM the host CPU is passed through.
         let kvm = qemu_args(&QemuArgs {
             accel: Accel::Kvm,
             vcpus: 1,
             mem_mb: 128,
-            kernel: Path::new("/k"),
-            initrd: Path::new("/i"),
-            base: Path::new("/b"),
-            disk: Path::new("/d"),
-            run: Path::new("/r"),
+            fds: FDS,
             tsc_khz: None,
         });
         assert!(kvm.windows(2).any(|w| w[0] == "-accel" && w[1] == "kvm"));
