@@ -9,6 +9,7 @@ pub mod exec;
 pub mod files;
 pub mod gvisor;
 pub mod hardening;
+pub mod microvm;
 pub mod network;
 pub mod saturation;
 pub mod snapshots;
@@ -157,7 +158,7 @@ impl Peer {
 }
 
 /// The scenarios' names for `--only`, in the order they run.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 11] = [
     "cold",
     "burst",
     "exec",
@@ -168,6 +169,7 @@ pub const NAMES: [&str; 10] = [
     "hardening",
     "network",
     "gvisor",
+    "microvm",
 ];
 
 /// Everything a scenario needs.
@@ -256,6 +258,7 @@ pub async fn run_all(ctx: &Ctx<'_>, only: &[String]) -> Vec<Section> {
     scenario!(hardening);
     scenario!(network);
     scenario!(gvisor);
+    scenario!(microvm);
     out
 }
 
