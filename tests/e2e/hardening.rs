@@ -17,6 +17,33 @@ async fn hardening_on_by_default_and_off_only_when_asked() {
     let c = shared_client();
     let s = create(&c, "base").await;
     let st = sh(&c, &s.id, "cat /proc/self/status").await.stdout;
+    if isolation() == moat_api::Isolation::Microvm {
+        // A microVM's boundary is its guest kernel and QEMU: root inside keeps its capabilities
+        // (its own kernel's, as in E2B's and Firecracker's guests: mount, modules, nested
+        // containers), while on the host QEMU — every process of the sandbox there — is an
+        // unprivileged uid with no capabilities, no_new_privs and its seccomp filter.
+        assert_eq!(status_field(&st, "CapEff:"), "000001ffffffffff", "{st}");
+        let pids = cgroup_procs(&s.id);
+        assert!(!pids.is_empty(), "no host process in the sandbox's cgroup");
+        for pid in pids {
+            let host = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+            assert_eq!(status_field(&host, "Seccomp:"), "2", "host pid {pid}");
+            assert_eq!(status_field(&host, "NoNewPrivs:"), "1", "host pid {pid}");
+            assert_eq!(
+                status_field(&host, "CapEff:"),
+                "0000000000000000",
+                "host pid {pid}"
+            );
+            assert_eq!(
+                status_field(&host, "CapPrm:"),
+                "0000000000000000",
+                "host pid {pid}"
+            );
+            assert_ne!(uid_of(pid), 0, "host pid {pid} runs as root");
+        }
+        c.delete_sandbox(&s.id).await.unwrap();
+        return;
+    }
     if !is_container() {
         // gVisor: moat's capability set inside; on the host every process of the sandbox (the
         // Sentry, its ptrace stubs, the gofer) runs with no_new_privs under runsc's seccomp filter.
