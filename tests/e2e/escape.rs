@@ -83,6 +83,10 @@ struct TierExpect {
     /// The case does not hold on this tier yet: reported as skipped with this reason, never passed.
     #[serde(default)]
     todo: Option<String>,
+    /// On this tier the attack may end the sandbox itself (a guest that powers itself off or
+    /// panics its own kernel): held when the sandbox is gone and the daemon and a new sandbox go on.
+    #[serde(default)]
+    may_end_sandbox: bool,
 }
 
 impl Case {
@@ -104,6 +108,13 @@ impl Case {
             }
         }
         c
+    }
+
+    /// Whether the attack may end its sandbox on this run's tier.
+    fn may_end_sandbox(&self) -> bool {
+        self.tiers
+            .get(isolation().as_str())
+            .is_some_and(|t| t.may_end_sandbox)
     }
 
     /// Why the tier has expectations of its own, if it has.
@@ -217,20 +228,57 @@ fn dump(case: &Case, out: &Output) {
     }
 }
 
-async fn run_script(c: &Client, id: &str, script: &str, user: Option<String>, secs: u64) -> Output {
+async fn run_script(
+    c: &Client,
+    id: &str,
+    script: &str,
+    user: Option<String>,
+    secs: u64,
+) -> Result<Output, String> {
     let req = StartProcessRequest {
         cmd: Some(vec!["/bin/bash".into(), "-c".into(), script.into()]),
         user,
         timeout: Some(secs as f64),
         ..Default::default()
     };
-    match tokio::time::timeout(Duration::from_secs(secs + 30), run_req(c, id, req)).await {
+    match tokio::time::timeout(Duration::from_secs(secs + 30), try_run_req(c, id, req)).await {
         Ok(o) => o,
-        Err(_) => Output {
+        Err(_) => Ok(Output {
             stderr: format!("runner: no exit within {} s", secs + 30),
             ..Default::default()
-        },
+        }),
     }
+}
+
+/// The verdict on a case whose sandbox ended under it (`broke`: what the runner saw).
+async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict {
+    if !case.may_end_sandbox() {
+        return Verdict::Failed(format!("the sandbox ended under the case: {broke}"));
+    }
+    // Held when the sandbox is gone (nothing of it left running) and the daemon serves a new one.
+    let mut gone = false;
+    for _ in 0..100 {
+        if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if !gone {
+        return Verdict::Failed(format!(
+            "the case broke its sandbox's stream ({broke}) but the sandbox is still listed"
+        ));
+    }
+    let fresh = create(c, "base").await;
+    let alive = sh(c, &fresh.id, "echo alive").await.stdout;
+    let _ = c.delete_sandbox(&fresh.id).await;
+    if alive != "alive\n" {
+        return Verdict::Failed(format!("after the case a new sandbox answered {alive:?}"));
+    }
+    Verdict::Held(format!(
+        "the sandbox ended itself ({}); the daemon and a new sandbox went on",
+        case.tier_why().unwrap_or("its own kernel")
+    ))
 }
 
 fn script(suite: &Suite, case: &Case, vars: &Vars) -> String {
@@ -243,8 +291,10 @@ fn script(suite: &Suite, case: &Case, vars: &Vars) -> String {
 
 async fn run_shell(c: &Client, sbx: &str, suite: &Suite, case: &Case, vars: &Vars) -> Verdict {
     let secs = case.timeout.unwrap_or(30);
-    let out = run_script(c, sbx, &script(suite, case, vars), case.user.clone(), secs).await;
-    judge(case, vars, &out)
+    match run_script(c, sbx, &script(suite, case, vars), case.user.clone(), secs).await {
+        Ok(out) => judge(case, vars, &out),
+        Err(broke) => judge_ended(c, sbx, case, &broke).await,
+    }
 }
 
 async fn read_stream(st: moat_client::Result<moat_client::ByteStream>) -> Result<Vec<u8>, String> {
@@ -258,7 +308,10 @@ async fn read_stream(st: moat_client::Result<moat_client::ByteStream>) -> Result
 
 async fn run_api(c: &Client, sbx: &str, case: &Case, vars: &Vars) -> Verdict {
     if !case.setup.is_empty() {
-        let out = run_script(c, sbx, &vars.fill(&case.setup.join("\n")), None, 30).await;
+        let out = match run_script(c, sbx, &vars.fill(&case.setup.join("\n")), None, 30).await {
+            Ok(o) => o,
+            Err(e) => return Verdict::Failed(format!("setup: {e}")),
+        };
         if out.exit.exit_code != Some(0) {
             return Verdict::Failed(format!("setup failed: {}", one_line(&out.stderr, 120)));
         }
@@ -349,8 +402,9 @@ async fn run_resource(
         )
         .await;
         match probe {
-            Ok(o) if o.stdout == "neighbour-ok\n" => {}
-            Ok(o) => probe_failures.push(format!(
+            Ok(Ok(o)) if o.stdout == "neighbour-ok\n" => {}
+            Ok(Err(e)) => probe_failures.push(format!("neighbour exec: {e}")),
+            Ok(Ok(o)) => probe_failures.push(format!(
                 "neighbour exec: {} {:?}",
                 one_line(&format!("{} {}", o.stdout, o.stderr), 80),
                 o.exit
@@ -369,12 +423,16 @@ async fn run_resource(
         probes += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let out = attack.await.unwrap_or_default();
+    let verdict = match attack.await {
+        Ok(Ok(out)) => judge(case, vars, &out),
+        Ok(Err(broke)) => judge_ended(c, &sbx.id, case, &broke).await,
+        Err(e) => Verdict::Failed(format!("runner: {e}")),
+    };
     let _ = c.delete_sandbox(&sbx.id).await;
     if probes == 0 {
         probe_failures.push("the attack ended before the neighbour was probed".into());
     }
-    match judge(case, vars, &out) {
+    match verdict {
         Verdict::Held(o) if probe_failures.is_empty() => {
             Verdict::Held(format!("{o} (neighbour and daemon answered {probes}×)"))
         }
@@ -532,12 +590,17 @@ async fn escape_suite() {
             .collect();
         async move {
             let mut out = Vec::new();
+            let mut id = sbx.id.clone();
             for case in mine {
                 let v = if case.kind == Kind::Shell {
-                    run_shell(&c, &sbx.id, suite_ref, &case, vars_ref).await
+                    run_shell(&c, &id, suite_ref, &case, vars_ref).await
                 } else {
-                    run_api(&c, &sbx.id, &case, vars_ref).await
+                    run_api(&c, &id, &case, vars_ref).await
                 };
+                // A case that ended its worker (held or not) leaves the rest a new one.
+                if c.get_sandbox(&id).await.is_err_and(|e| e.is_not_found()) {
+                    id = create(&c, "base").await.id;
+                }
                 out.push((case.id.clone(), v));
             }
             out

@@ -334,15 +334,26 @@ pub fn decode(c: &moat_api::OutputChunk) -> Vec<u8> {
 }
 
 pub async fn run_req(client: &Client, id: &str, req: StartProcessRequest) -> Output {
+    try_run_req(client, id, req)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`run_req`], with a stream that breaks (the sandbox ended under the process) as an error.
+pub async fn try_run_req(
+    client: &Client,
+    id: &str,
+    req: StartProcessRequest,
+) -> Result<Output, String> {
     let mut events = client
         .start_process_stream(id, &req)
         .await
-        .expect("start process");
+        .map_err(|e| format!("start process: {e:?}"))?;
     let mut out = Output::default();
     let (mut so, mut se) = (Vec::new(), Vec::new());
     let mut exited = false;
     while let Some(ev) = events.next().await {
-        match ev.expect("process event") {
+        match ev.map_err(|e| format!("process event: {e:?}"))? {
             ProcessEvent::Start { pid, .. } => out.pid = pid,
             ProcessEvent::Stdout(c) | ProcessEvent::Pty(c) => so.extend(decode(&c)),
             ProcessEvent::Stderr(c) => se.extend(decode(&c)),
@@ -355,10 +366,12 @@ pub async fn run_req(client: &Client, id: &str, req: StartProcessRequest) -> Out
             }
         }
     }
-    assert!(exited, "stream ended without an exit event");
+    if !exited {
+        return Err("stream ended without an exit event".into());
+    }
     out.stdout = String::from_utf8_lossy(&so).into_owned();
     out.stderr = String::from_utf8_lossy(&se).into_owned();
-    out
+    Ok(out)
 }
 
 /// Runs `sh -c CMD` as root and returns its output.
