@@ -639,7 +639,8 @@ impl MicrovmTier {
 /// The guest kernel's command line (before the agent's own arguments).
 const KERNEL_CMDLINE: &str = "console=ttyS0 quiet panic=-1 reboot=t rdinit=/init";
 
-/// The host's TSC frequency in kHz, measured once against the monotonic clock. Under TCG the guest's
+/// The host's TSC frequency in kHz, measured once against the monotonic clock (also the guest's
+/// clock rate: see `qemu_args`). Under TCG the guest's
 /// TSC is the host's, but the guest kernel calibrates it against the emulated PIT in a tight
 /// timing loop; when QEMU's thread is descheduled mid-loop (two busy cores, a CFS quota) calibration
 /// fails, the kernel marks the TSC unusable and then waits forever for a timer tick in its delay-loop
@@ -653,9 +654,11 @@ fn host_tsc_khz() -> Option<u64> {
             use std::time::Instant;
             // SAFETY: RDTSC reads the time-stamp counter; it has no memory effects (x86-64 always has it).
             let tsc = || unsafe { core::arch::x86_64::_rdtsc() };
+            // Over 250 ms, each counter read taken right after a clock read: a pairing error of some
+            // microseconds is some ppm of the guest's clock rate.
             let (t0, c0) = (Instant::now(), tsc());
-            std::thread::sleep(Duration::from_millis(50));
-            let (c1, t1) = (tsc(), Instant::now());
+            std::thread::sleep(Duration::from_millis(250));
+            let (t1, c1) = (Instant::now(), tsc());
             let ns = t1.duration_since(t0).as_nanos() as u64;
             let khz = (c1.checked_sub(c0)? as u128 * 1_000_000 / ns.max(1) as u128) as u64;
             (khz > 10_000).then_some(khz)
@@ -752,7 +755,13 @@ fn qemu_args(a: &QemuArgs) -> Vec<String> {
         format!("/proc/self/fd/{}", f.initrd),
         "-append".into(),
         match a.tsc_khz {
-            Some(khz) => format!("{KERNEL_CMDLINE} tsc_early_khz={khz} -- --vm"),
+            // The guest's TSC is the host's (constant and invariant): it is the clock. Without
+            // `tsc=reliable` the kernel's clocksource watchdog, comparing it with jiffies while QEMU's
+            // thread waits for a busy host core, marks it unstable and falls back to jiffies, and the
+            // guest's clock then runs off (measured: `time.sleep(2)` over in 1.6 s of host time).
+            Some(khz) => {
+                format!("{KERNEL_CMDLINE} tsc_early_khz={khz} tsc=reliable clocksource=tsc -- --vm")
+            }
             None => format!("{KERNEL_CMDLINE} -- --vm"),
         },
         "-chardev".into(),
@@ -1004,7 +1013,8 @@ mod tests {
         assert!(!args
             .iter()
             .any(|a| a.starts_with('/') && !a.starts_with("/proc/self/fd/")));
-        assert!(after("-append")[0].ends_with(" tsc_early_khz=2596150 -- --vm"));
+        assert!(after("-append")[0]
+            .ends_with(" tsc_early_khz=2596150 tsc=reliable clocksource=tsc -- --vm"));
         // Under KVM the host CPU is passed through.
         let kvm = qemu_args(&QemuArgs {
             accel: Accel::Kvm,
@@ -1015,7 +1025,7 @@ mod tests {
         });
         assert!(kvm.windows(2).any(|w| w[0] == "-accel" && w[1] == "kvm"));
         assert!(kvm.windows(2).any(|w| w[0] == "-cpu" && w[1] == "host"));
-        assert!(!kvm.iter().any(|a| a.contains("tsc_early_khz")));
+        assert!(!kvm.iter().any(|a| a.contains("tsc")));
     }
 
     #[test]
