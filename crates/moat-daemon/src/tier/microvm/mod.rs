@@ -468,6 +468,7 @@ impl MicrovmTier {
             accel,
         };
         // Wait for the guest to open the agent's port.
+        let mut qmp: Option<qmp::Qmp> = None;
         let ready = loop {
             if let Some(status) = child.try_wait()? {
                 break Err(anyhow!(
@@ -481,10 +482,16 @@ impl MicrovmTier {
                     self.failure_text(&spec.id, Some(uid))
                 ));
             }
-            match self.agent_port_open(&spec.id, uid) {
-                Ok(true) => break Ok(()),
-                Ok(false) | Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            // One QMP connection for the whole wait (made again only if it fails).
+            if qmp.is_none() {
+                qmp = self.qmp(&spec.id, uid).ok();
             }
+            match qmp.as_mut().map(agent_port_open) {
+                Some(Ok(true)) => break Ok(()),
+                Some(Err(_)) => qmp = None,
+                _ => {}
+            }
+            std::thread::sleep(Duration::from_millis(10));
         };
         if let Err(e) = ready {
             let _ = child.kill();
@@ -556,17 +563,6 @@ impl MicrovmTier {
         )
     }
 
-    /// Whether the guest has opened the agent's serial port (its agent serves).
-    fn agent_port_open(&self, id: &str, uid: u32) -> Result<bool> {
-        let mut q = self.qmp(id, uid)?;
-        let devs = q.execute("query-chardev", json!({}))?;
-        Ok(devs
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|d| d["label"] == "agent" && d["frontend-open"].as_bool() == Some(true)))
-    }
-
     /// The last lines of the guest's console and of QEMU's stderr, for an error message.
     fn failure_text(&self, id: &str, uid: Option<u32>) -> String {
         let mut parts = Vec::new();
@@ -634,6 +630,16 @@ impl MicrovmTier {
         self.qmp(id, s.uid)?.execute(command, json!({}))?;
         Ok(())
     }
+}
+
+/// Whether the guest has opened the agent's serial port (its agent serves).
+fn agent_port_open(q: &mut qmp::Qmp) -> Result<bool> {
+    let devs = q.execute("query-chardev", json!({}))?;
+    Ok(devs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|d| d["label"] == "agent" && d["frontend-open"].as_bool() == Some(true)))
 }
 
 /// The guest kernel's command line (before the agent's own arguments).
