@@ -304,13 +304,22 @@ fn clean(p: &Path) -> Option<PathBuf> {
 fn inside(root: &Path, rel: &Path) -> Result<PathBuf> {
     let rel = clean(rel).ok_or_else(|| anyhow!("path {} has '..'", rel.display()))?;
     let full = root.join(&rel);
-    if let Some(parent) = full.parent() {
-        if parent != root && parent.exists() {
-            let canon_root = root.canonicalize()?;
-            let canon = parent.canonicalize()?;
-            if !canon.starts_with(&canon_root) {
-                bail!("{} leads outside the root filesystem", rel.display());
-            }
+    // The nearest ancestor that exists (as anything, a dangling symlink included) must resolve
+    // inside `root`: directories made on the way below it then stay inside too.
+    let mut ancestor = full.parent();
+    while let Some(p) = ancestor {
+        if p == root || p.symlink_metadata().is_ok() {
+            break;
+        }
+        ancestor = p.parent();
+    }
+    if let Some(p) = ancestor.filter(|p| *p != root) {
+        let canon_root = root.canonicalize()?;
+        let canon = p
+            .canonicalize()
+            .map_err(|_| anyhow!("{} leads outside the root filesystem", rel.display()))?;
+        if !canon.starts_with(&canon_root) {
+            bail!("{} leads outside the root filesystem", rel.display());
         }
     }
     Ok(full)
@@ -811,6 +820,24 @@ mod tests {
             b.append_data(&mut h, path, *data).unwrap();
         }
         b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn an_entry_below_a_symlink_out_is_refused_however_deep() {
+        let d = tempfile::tempdir().unwrap();
+        let (root, outside) = (d.path().join("root"), d.path().join("outside"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        std::os::unix::fs::symlink("/nonexistent-moat", root.join("dangling")).unwrap();
+        for rel in ["link/x", "link/new/deeper/x", "dangling/x"] {
+            assert!(inside(&root, Path::new(rel)).is_err(), "{rel}");
+        }
+        assert!(inside(&root, Path::new("fresh/dir/x")).is_ok());
+        assert!(
+            inside(&root, Path::new("link")).is_ok(),
+            "the link itself is not followed"
+        );
     }
 
     #[test]
