@@ -151,3 +151,45 @@ pub async fn run_collect(
     }
     bail!("the event stream ended without an exit event")
 }
+
+/// A full-state snapshot of the running sandbox `id`, then a sandbox started from it (a fork of
+/// one) until a `true` has run in it: (snapshot, restore) times. Both are removed afterwards.
+pub async fn full_snapshot_and_restore(
+    client: &Client,
+    id: &str,
+    cleanup: &Cleanup,
+) -> Result<(Duration, Duration)> {
+    let t = Instant::now();
+    let snap = client
+        .create_snapshot(
+            id,
+            &moat_api::CreateSnapshotRequest {
+                kind: Some(moat_api::SnapshotKind::Full),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let taken = t.elapsed();
+    let t = Instant::now();
+    let forks = client
+        .fork(
+            &snap.id,
+            &moat_api::ForkRequest {
+                count: 1,
+                timeout: Some(900),
+                metadata: std::collections::BTreeMap::from([(LABEL.to_string(), "1".to_string())]),
+                ..Default::default()
+            },
+        )
+        .await?;
+    for f in &forks {
+        cleanup.add_sandbox(&f.id);
+    }
+    run_true(client, &forks[0].id).await?;
+    let restored = t.elapsed();
+    for f in &forks {
+        delete(client, &f.id, cleanup).await?;
+    }
+    client.delete_snapshot(&snap.id).await?;
+    Ok((taken, restored))
+}

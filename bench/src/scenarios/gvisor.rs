@@ -111,41 +111,9 @@ pub async fn run(ctx: &Ctx<'_>, section: &mut Section) -> Result<()> {
         }
         sample.push(peers::time_cmd(&runsc_do(&SYSCALL_HEAVY))?);
         sample.push(peers::time_cmd(&host)?);
-        let t = Instant::now();
-        let snap = client
-            .create_snapshot(
-                &gv.id,
-                &moat_api::CreateSnapshotRequest {
-                    kind: Some(moat_api::SnapshotKind::Full),
-                    ..Default::default()
-                },
-            )
-            .await?;
-        sample.push(t.elapsed());
-        let t = Instant::now();
-        let forks = client
-            .fork(
-                &snap.id,
-                &moat_api::ForkRequest {
-                    count: 1,
-                    timeout: Some(900),
-                    metadata: std::collections::BTreeMap::from([(
-                        crate::cleanup::LABEL.to_string(),
-                        "1".to_string(),
-                    )]),
-                    ..Default::default()
-                },
-            )
-            .await?;
-        for f in &forks {
-            ctx.cleanup.add_sandbox(&f.id);
-        }
-        moat::run_true(client, &forks[0].id).await?;
-        sample.push(t.elapsed());
-        for f in &forks {
-            moat::delete(client, &f.id, ctx.cleanup).await?;
-        }
-        client.delete_snapshot(&snap.id).await?;
+        let (snapshot, restore) =
+            moat::full_snapshot_and_restore(client, &gv.id, ctx.cleanup).await?;
+        sample.extend([snapshot, restore]);
         if timed {
             for (r, d) in rows.iter_mut().zip(sample) {
                 r.samples.push(d);

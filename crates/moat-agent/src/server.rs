@@ -251,6 +251,9 @@ async fn route(
         (["fs", "tar"], Method::PUT) => tarops::upload(query, body).await,
         (["fs", "watch"], Method::GET) => watch::watch(query),
         (["tcp"], Method::POST) => crate::tcp::tunnel(query, body).await,
+        (["vm", "freeze"], Method::POST) => crate::layerops::freeze(body).await,
+        (["vm", "clock"], Method::POST) => crate::layerops::set_clock(body).await,
+        (["vm", "layer"], Method::GET) => crate::layerops::download(query),
         (
             ["health"]
             | ["env"]
@@ -259,6 +262,7 @@ async fn route(
             | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
             | ["files"]
             | ["tcp"]
+            | ["vm", "freeze" | "layer" | "clock"]
             | ["fs"]
             | ["fs", "stat" | "exists" | "list" | "mkdir" | "rename" | "tar" | "watch"],
             _,

@@ -16,9 +16,18 @@ use crate::http::{no_content, parse_query, streamed, ApiError, HandlerResult};
 const CHUNK: usize = 64 * 1024;
 
 /// A `Write` that sends 64 KiB pieces into a bounded channel (blocking when it is full).
-struct ChannelWriter {
+pub(crate) struct ChannelWriter {
     tx: mpsc::Sender<std::io::Result<Bytes>>,
     buf: Vec<u8>,
+}
+
+impl ChannelWriter {
+    pub(crate) fn new(tx: mpsc::Sender<std::io::Result<Bytes>>) -> ChannelWriter {
+        ChannelWriter {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+        }
+    }
 }
 
 impl ChannelWriter {

@@ -127,6 +127,7 @@ pub fn boot() -> Result<GuestConfig, String> {
     for d in ["/rw/upper", "/rw/work"] {
         std::fs::create_dir_all(d).map_err(|e| err(d, e))?;
     }
+    crate::layerops::keep_upper("/rw/upper")?;
     mount_fs(
         "overlay",
         "/newroot",
@@ -280,12 +281,15 @@ impl AsyncWrite for Port {
 }
 
 /// The /dev node of the virtio-serial port named `name` (there is no udev to make the
-/// /dev/virtio-ports links: the names are in sysfs).
-fn port_device(name: &str) -> std::io::Result<PathBuf> {
+/// /dev/virtio-ports links: the names are in sysfs), and the inode of its sysfs directory: a port
+/// unplugged and plugged in again gets the same node name, but a new sysfs directory.
+fn port_device(name: &str) -> std::io::Result<(PathBuf, u64)> {
+    use std::os::unix::fs::MetadataExt;
     for e in std::fs::read_dir("/sys/class/virtio-ports")?.flatten() {
         let n = std::fs::read_to_string(e.path().join("name")).unwrap_or_default();
         if n.trim() == name {
-            return Ok(Path::new("/dev").join(e.file_name()));
+            let ino = std::fs::metadata(e.path())?.ino();
+            return Ok((Path::new("/dev").join(e.file_name()), ino));
         }
     }
     Err(std::io::Error::new(
@@ -294,14 +298,15 @@ fn port_device(name: &str) -> std::io::Result<PathBuf> {
     ))
 }
 
-fn open_port(name: &str) -> std::io::Result<OwnedFd> {
+fn open_port(name: &str) -> std::io::Result<((PathBuf, u64), OwnedFd)> {
     use std::os::unix::fs::OpenOptionsExt;
+    let dev = port_device(name)?;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
-        .open(port_device(name)?)?;
-    Ok(OwnedFd::from(f))
+        .open(&dev.0)?;
+    Ok((dev, OwnedFd::from(f)))
 }
 
 /// Whether the host side of the port is closed: virtio-console reports POLLHUP for as long as no
@@ -323,33 +328,55 @@ fn host_closed(fd: &OwnedFd) -> bool {
 /// end (and on data), so each wake-up is one check of the hang-up state. A connection that raced
 /// with a check left its wake-up in the ready list, so the next wait returns at once.
 struct HostWaiter {
+    name: &'static str,
+    /// The port's device (see `port_device`): a port unplugged and plugged in again (a restored
+    /// snapshot) is a new one.
+    dev: (PathBuf, u64),
     port: OwnedFd,
     epoll: nix::sys::epoll::Epoll,
 }
 
 impl HostWaiter {
-    fn new(port: OwnedFd) -> std::io::Result<HostWaiter> {
+    fn new(
+        name: &'static str,
+        (dev, port): ((PathBuf, u64), OwnedFd),
+    ) -> std::io::Result<HostWaiter> {
         use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
         epoll.add(
             &port,
             EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLET, 0),
         )?;
-        Ok(HostWaiter { port, epoll })
+        Ok(HostWaiter {
+            name,
+            dev,
+            port,
+            epoll,
+        })
     }
 
-    /// Blocks until a host is connected.
-    fn wait(&self) {
+    /// Whether the port is still the device named so.
+    fn present(&self) -> bool {
+        port_device(self.name).is_ok_and(|d| d == self.dev)
+    }
+
+    /// Blocks until a host is connected (true), or the port is gone (false).
+    fn wait(&self) -> bool {
         use nix::sys::epoll::{EpollEvent, EpollTimeout};
         let mut events = [EpollEvent::empty(); 1];
         while host_closed(&self.port) {
-            if let Err(e) = self.epoll.wait(&mut events, EpollTimeout::NONE) {
+            // An unplugged port wakes its pollers once, and is closed for good.
+            if !self.present() {
+                return false;
+            }
+            if let Err(e) = self.epoll.wait(&mut events, EpollTimeout::from(1000u16)) {
                 if e != nix::errno::Errno::EINTR {
                     eprintln!("moat-agent: waiting on the agent's port: {e}");
                     std::thread::sleep(Duration::from_secs(1));
                 }
             }
         }
+        true
     }
 
     /// The stream of the connected host.
@@ -362,36 +389,47 @@ impl HostWaiter {
     }
 }
 
-/// Serves the daemon over the agent's port forever: one HTTP/2 connection at a time, a new one
-/// each time the host side connects again (a closed host side reads as the end of the stream).
+/// Serves the daemon over the agent's port and the tier over the control port, forever.
 pub async fn serve(agent: Arc<crate::server::Agent>) {
-    // The port's device appears when virtio-console has probed it, moments after boot at most.
-    let until = std::time::Instant::now() + Duration::from_secs(20);
-    let waiter = loop {
-        match open_port(guest::AGENT_PORT).and_then(HostWaiter::new) {
-            Ok(w) => break Arc::new(w),
-            Err(e) if std::time::Instant::now() > until => {
-                eprintln!("moat-agent: opening port {}: {e}", guest::AGENT_PORT);
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-        }
-    };
-    eprintln!(
-        "moat-agent {} serving on {}",
-        env!("CARGO_PKG_VERSION"),
-        guest::AGENT_PORT
-    );
+    tokio::spawn(serve_port(Arc::clone(&agent), guest::CONTROL_PORT));
+    serve_port(agent, guest::AGENT_PORT).await
+}
+
+/// Serves one virtio-serial port forever: one HTTP/2 connection at a time, a new one each time the
+/// host side connects again (a closed host side reads as the end of the stream); a port that is
+/// unplugged and plugged in again is opened again.
+async fn serve_port(agent: Arc<crate::server::Agent>, name: &'static str) {
     loop {
-        let w = Arc::clone(&waiter);
-        if tokio::task::spawn_blocking(move || w.wait()).await.is_err() {
-            continue;
-        }
-        match waiter.connection() {
-            Ok(port) => crate::server::serve_stream(port, Arc::clone(&agent)).await,
-            Err(e) => {
-                eprintln!("moat-agent: the agent's port: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+        // The port's device appears when virtio-console has probed it, moments after boot (or a
+        // plug) at most.
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        let waiter = loop {
+            match open_port(name).and_then(|p| HostWaiter::new(name, p)) {
+                Ok(w) => break Arc::new(w),
+                Err(e) if std::time::Instant::now() > until => {
+                    eprintln!("moat-agent: opening port {name}: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        eprintln!("moat-agent {} serving on {name}", env!("CARGO_PKG_VERSION"));
+        loop {
+            let w = Arc::clone(&waiter);
+            match tokio::task::spawn_blocking(move || w.wait()).await {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(_) => continue,
+            }
+            match waiter.connection() {
+                Ok(port) => crate::server::serve_stream(port, Arc::clone(&agent)).await,
+                Err(e) => {
+                    eprintln!("moat-agent: the agent's port: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+            if !waiter.present() {
+                break;
             }
         }
     }

@@ -15,6 +15,33 @@ pub const MODULES_ORDER: &str = "/moat/modules.order";
 pub const MODULES_DIR: &str = "/moat/modules";
 /// The virtio-serial port the daemon's agent connection runs over.
 pub const AGENT_PORT: &str = "moat.agent";
+/// A second port with the same protocol, for the microvm tier's own requests (freezing the
+/// sandbox's processes, exporting its writable layer) while the daemon's connection is in use (a
+/// virtio-serial port carries one host connection at a time).
+pub const CONTROL_PORT: &str = "moat.control";
+/// Where the agent asks its writable layer be exported from in VM mode (`GET /vm/layer`).
+pub const LAYER_PATH: &str = "/vm/layer";
+/// `POST /vm/freeze` with [`FreezeRequest`]: freezes (and syncs) or thaws the sandbox's processes.
+pub const FREEZE_PATH: &str = "/vm/freeze";
+
+/// `POST /vm/clock` with [`ClockRequest`]: sets the guest's wall clock (a microVM has no clock of
+/// its own under TCG, and a restored one's stopped while it was saved).
+pub const CLOCK_PATH: &str = "/vm/clock";
+
+/// Body of `POST /vm/clock`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ClockRequest {
+    /// Nanoseconds since the Unix epoch.
+    pub realtime_ns: u64,
+}
+
+/// Body of `POST /vm/freeze`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FreezeRequest {
+    pub frozen: bool,
+}
 /// Serial number of the read-only base disk (the template and snapshot layers as one ext4 image).
 pub const BASE_DISK_SERIAL: &str = "moat-base";
 /// Serial number of the VM's writable disk (ext4: the overlay's upper and work directories).

@@ -341,7 +341,7 @@ pub enum SnapshotCommand {
         /// Unique name to address it by.
         #[arg(long)]
         name: Option<String>,
-        /// Full-state snapshot: processes and memory too, so that sandboxes started from it continue them (gvisor tier).
+        /// Full-state snapshot: processes and memory too, so that sandboxes started from it continue them (gvisor and microvm tiers).
         #[arg(long)]
         full: bool,
         /// Metadata label (repeatable).

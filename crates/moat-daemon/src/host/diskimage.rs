@@ -167,6 +167,65 @@ pub fn used(dir: &Path) -> Result<(u64, u64)> {
     Ok((bytes, inodes))
 }
 
+/// Copies the image file `src` to the new file `dst` (mode 0600) with its holes: only the ranges
+/// that hold data are copied (SEEK_DATA / SEEK_HOLE), so a mostly empty disk image of gigabytes
+/// costs what it holds, in time and in space.
+pub fn copy_sparse(src: &Path, dst: &Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let from = File::open(src).with_context(|| format!("open {}", src.display()))?;
+    let to = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)
+        .with_context(|| format!("create {}", dst.display()))?;
+    let len = from.metadata()?.len();
+    to.set_len(len)?;
+    let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
+    let mut pos: i64 = 0;
+    while (pos as u64) < len {
+        // SAFETY: lseek on a descriptor this function owns.
+        let data = unsafe { libc::lseek(fi, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data past `pos`
+            }
+            return Err(e).with_context(|| format!("SEEK_DATA in {}", src.display()));
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fi, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("SEEK_HOLE in {}", src.display()));
+        }
+        let (mut off_in, mut off_out) = (data, data);
+        while off_in < hole {
+            // SAFETY: both descriptors are open files of this function; the offsets are locals.
+            let n = unsafe {
+                libc::copy_file_range(
+                    fi,
+                    &mut off_in,
+                    fo,
+                    &mut off_out,
+                    (hole - off_in) as usize,
+                    0,
+                )
+            };
+            if n < 0 {
+                return Err(std::io::Error::last_os_error())
+                    .with_context(|| format!("copy {} to {}", src.display(), dst.display()));
+            }
+            if n == 0 {
+                bail!("{} ended while being copied", src.display());
+            }
+        }
+        pos = hole;
+    }
+    to.sync_all()?;
+    Ok(())
+}
+
 /// Loop devices whose backing file lies under `dir` (for leak checks and diagnostics).
 pub fn loops_backed_under(dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -190,6 +249,33 @@ pub fn loops_backed_under(dir: &Path) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sparse_copy_keeps_data_and_holes() {
+        use std::io::{Seek, SeekFrom, Write};
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let (src, dst) = (d.path().join("a.img"), d.path().join("b.img"));
+        let mut f = File::create(&src).unwrap();
+        f.set_len(1 << 30).unwrap();
+        f.write_all(b"head").unwrap();
+        f.seek(SeekFrom::Start(512 << 20)).unwrap();
+        f.write_all(&[9u8; 70000]).unwrap();
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        let m = std::fs::metadata(&dst).unwrap();
+        assert_eq!(m.len(), 1 << 30);
+        assert!(
+            m.blocks() * 512 < 4 << 20,
+            "copied the holes: {} bytes",
+            m.blocks() * 512
+        );
+        assert!(
+            copy_sparse(&src, &dst).is_err(),
+            "overwrote an existing file"
+        );
+    }
 
     #[test]
     fn mkfs_arguments() {

@@ -25,7 +25,8 @@ fn dir_bytes(dir: &std::path::Path) -> u64 {
             it.flatten()
                 .filter_map(|e| e.metadata().ok())
                 .filter(|m| m.is_file())
-                .map(|m| m.len())
+                // Allocated bytes: a VM's disk image is sparse.
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
                 .sum()
         })
         .unwrap_or(0)
@@ -284,12 +285,18 @@ impl Sandboxes {
                     image.display()
                 )));
             }
-            // The agent's connection ends with the checkpoint; the next request reconnects.
-            self.agents.write().await.remove(id);
+            // The agent's connection ends with the checkpoint (on most tiers); the next request
+            // reconnects.
+            let ends = tier.checkpoint_ends_connections();
+            if ends {
+                self.agents.write().await.remove(id);
+            }
             match tier.checkpoint(id, state, &scratch, &image).await {
                 Ok((d, new_state)) => {
                     self.db.set_tier_state(id, rec.state, &new_state)?;
-                    self.agents.write().await.remove(id);
+                    if ends {
+                        self.agents.write().await.remove(id);
+                    }
                     (d, Some(image))
                 }
                 Err(e) => {
@@ -330,6 +337,9 @@ impl Sandboxes {
         };
         let size_bytes = size_bytes + image.as_deref().map_or(0, dir_bytes);
         let mut stack = rec.layers.clone();
+        if let Some(n) = tier.layers_under_writable(state) {
+            stack.truncate(n);
+        }
         stack.push(digest);
         let snap = SnapshotRecord {
             id: snap_id,

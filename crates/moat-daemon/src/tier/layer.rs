@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use crate::host::{diskimage, mount};
 
 /// Names in a sandbox directory that make up its writable layer (kept by a release).
-const LAYER_NAMES: [&str; 3] = ["upper", "work", "disk.img"];
+/// (`layer-base` and `disk-baseline`: the microvm tier's count of the layers its disk was made
+/// over, and the disk's size when it was made.)
+const LAYER_NAMES: [&str; 5] = ["upper", "work", "disk.img", "layer-base", "disk-baseline"];
 
 /// Makes (or, with `keep_files`, reopens) the writable layer of the sandbox directory `dir` and
 /// returns the directory holding its `upper` and `work`.

@@ -142,6 +142,15 @@ pub trait IsolationTier: Send + Sync {
         dest: &std::path::Path,
     ) -> Result<std::time::Duration>;
 
+    /// How many of the sandbox's layers (bottom first) its writable layer sits on; None: all of them.
+    /// Fewer after a microvm full-state restore: the restored VM's disk is the snapshotted VM's
+    /// writable layer, made over the layers below the snapshot's own, so a later snapshot's layer
+    /// (everything that VM changed since its template) replaces the snapshot's layer instead of
+    /// stacking on it.
+    fn layers_under_writable(&self, _state: &serde_json::Value) -> Option<usize> {
+        None
+    }
+
     /// The host's sandbox network (veth pairs, addresses, nft policy) the tier attaches sandboxes to;
     /// None with `--network none`.
     fn host_network(&self) -> Option<&crate::host::net::Network>;
@@ -169,6 +178,12 @@ pub trait IsolationTier: Send + Sync {
 
     /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
     fn full_snapshot_unsupported(&self) -> Option<String>;
+
+    /// Whether a full-state snapshot ends the connection to the sandbox's agent (the next request
+    /// then makes a new one).
+    fn checkpoint_ends_connections(&self) -> bool {
+        true
+    }
 
     /// Takes a full-state snapshot: the sandbox's processes and memory go to `image` (an empty
     /// directory) and the changes of its writable layer to `changes` (as [`Self::export_changes`]),

@@ -14,6 +14,7 @@
 //! IPC and UTS namespaces, with no new privileges and its seccomp filter on (`-sandbox on` denying
 //! spawn, privilege changes and resource control). See docs/microvm-tier.md.
 
+pub mod control;
 pub mod image;
 pub mod initramfs;
 pub mod qmp;
@@ -46,7 +47,21 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Size of the guest console's ring buffer in QEMU (the last lines, for errors).
 const CONSOLE_RING: u32 = 65536;
 const AGENT_SOCK: &str = "agent.sock";
+const CONTROL_SOCK: &str = "control.sock";
 const QMP_SOCK: &str = "qmp.sock";
+/// In a VM's directory: how many of the sandbox's layers (bottom first) its base image is made of,
+/// kept with its disk by a release (see `IsolationTier::layers_under_writable`).
+const LAYER_BASE: &str = "layer-base";
+/// In a VM's directory: the bytes its disk image held when it was made (a new filesystem's own
+/// metadata, or a restored snapshot's disk), which its disk usage does not count.
+const DISK_BASELINE: &str = "disk-baseline";
+/// In a full-state snapshot's image directory: QEMU's migration stream of the stopped VM (its
+/// memory and devices), the VM's disks of that instant, and [`ImageMeta`].
+const IMAGE_MEMORY: &str = "memory";
+const IMAGE_META: &str = "moat-vm.json";
+const IMAGE_FORMAT: u32 = 1;
+/// How long QEMU may take to write a VM's memory to a snapshot image.
+const SAVE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How the tier runs guests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +107,27 @@ pub struct MicrovmState {
     /// The host uid QEMU runs as (it owns the VM's sockets).
     pub uid: u32,
     pub accel: Accel,
+    /// The base image the VM runs over (a full-state snapshot keeps a link to it).
+    #[serde(default)]
+    pub base: Option<PathBuf>,
+    /// How many of the sandbox's layers its base image is made of.
+    #[serde(default)]
+    pub base_layers: Option<usize>,
+    /// The machine QEMU was started as (a restore starts the same one).
+    #[serde(default)]
+    pub vcpus: u64,
+    #[serde(default)]
+    pub mem_mb: u64,
+}
+
+/// How a snapshotted VM was started: a restore must start the same machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct ImageMeta {
+    format: u32,
+    accel: Accel,
+    vcpus: u64,
+    mem_mb: u64,
+    base_layers: usize,
 }
 
 #[derive(Clone)]
@@ -114,6 +150,9 @@ pub struct MicrovmTier {
     /// kernels booting on two cores each stall in early boot far past the boot timeout, while the
     /// same twenty booted a few at a time are all up sooner.
     boot_gate: Arc<tokio::sync::Semaphore>,
+    /// The tier's connections to its VMs' control ports.
+    controls: control::Connections,
+    ports: PortState,
 }
 
 fn find_qemu() -> Option<PathBuf> {
@@ -151,6 +190,7 @@ impl MicrovmTier {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700))?;
         }
         let qemu = find_qemu();
+        let ports = PortState::default();
         let tier = MicrovmTier {
             root,
             images,
@@ -163,6 +203,8 @@ impl MicrovmTier {
             accel: Arc::new(Mutex::new(None)),
             build_lock: Arc::new(Mutex::new(())),
             boot_gate: Arc::new(tokio::sync::Semaphore::new(concurrent_boots())),
+            controls: control::Connections::new(ports.clone()),
+            ports,
         };
         match tier.unavailable() {
             None => tracing::info!(kernel = %tier.guest_kernel.display(), "microvm tier available"),
@@ -227,15 +269,15 @@ impl MicrovmTier {
     }
 
     /// The base image of a layer stack, built on first use.
-    fn base_image(&self, spec: &SandboxSpec) -> Result<PathBuf> {
-        let key = image::key(&spec.template_rootfs, &spec.layers)?;
+    fn base_image(&self, template_rootfs: &Path, layers: &[PathBuf]) -> Result<PathBuf> {
+        let key = image::key(template_rootfs, layers)?;
         let path = self.images.join(format!("base-{key}.ext4"));
         let _guard = self
             .build_lock
             .lock()
             .map_err(|_| anyhow!("build lock poisoned"))?;
         if !path.exists() {
-            image::build_base(&spec.template_rootfs, &spec.layers, &path)?;
+            image::build_base(template_rootfs, layers, &path)?;
         }
         Ok(path)
     }
@@ -351,49 +393,80 @@ impl MicrovmTier {
 
     fn create_blocking(&self, spec: &SandboxSpec) -> Result<MicrovmState> {
         let qemu = self.qemu()?.to_path_buf();
-        if spec.restore.is_some() {
-            bail!("full-state snapshots are not supported on the microvm tier yet");
-        }
         if spec.network.is_some() {
             bail!("sandbox networking is not available on the microvm tier yet: create it with network none (or start moat serve --network none)");
         }
         let (accel, _) = self.accel()?;
+        let vcpus = vcpus(&spec.limits);
+        let mem_mb = spec.limits.memory_mb + GUEST_OVERHEAD_MB;
+        let restore = match &spec.restore {
+            Some(image) => Some((
+                image.clone(),
+                self.check_image(image, accel, vcpus, mem_mb)?,
+            )),
+            None => None,
+        };
         let dir = self.dir(&spec.id);
         std::fs::create_dir_all(&dir).context("mkdir the VM's directory")?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let uid = self.uid(spec.slot);
-        let base = self.base_image(spec)?;
         let shared = self.shared_initrd()?;
-
-        let config = moat_api::guest::GuestConfig {
-            hostname: spec.hostname.clone(),
-            env: spec.env.clone(),
-            memory_bytes: spec.limits.memory_mb << 20,
-            pids: spec.limits.pids,
-            tmp_mb: spec.limits.tmp_mb,
-            // Whole cores are the VM's vCPUs; a fraction is a quota inside.
-            cpu: if spec.limits.cpu.fract() > 0.0 {
-                spec.limits.cpu
-            } else {
-                0.0
-            },
-        };
         let config_disk = dir.join("config.img");
-        let _ = std::fs::remove_file(&config_disk);
-        std::fs::write(&config_disk, moat_api::guest::encode_config_disk(&config))
-            .context("write the configuration disk")?;
-        std::fs::set_permissions(&config_disk, std::fs::Permissions::from_mode(0o600))?;
-
         let disk = dir.join("disk.img");
-        if !(spec.keep_files && disk.exists()) {
-            let size = if spec.limits.disk_mb > 0 {
-                spec.limits.disk_mb
-            } else {
-                DEFAULT_DISK_MB
-            };
-            image::create_rw_disk(&disk, size, spec.limits.disk_inodes)?;
+        let _ = std::fs::remove_file(&config_disk);
+        let (base, base_layers) = match &restore {
+            // The machine of the snapshot: its disks as they were (its memory knows them).
+            Some((image, meta)) => {
+                let _ = std::fs::remove_file(&disk);
+                crate::host::diskimage::copy_sparse(&image.join("disk.img"), &disk)?;
+                std::fs::copy(image.join("config.img"), &config_disk)
+                    .context("copy the snapshot's configuration disk")?;
+                (image.join("base.img"), meta.base_layers)
+            }
+            None => {
+                // A VM coming back over its disk keeps the base that disk was made over.
+                let n = match std::fs::read_to_string(dir.join(LAYER_BASE)) {
+                    Ok(t) if spec.keep_files && disk.exists() => t
+                        .trim()
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| *n <= spec.layers.len())
+                        .unwrap_or(spec.layers.len()),
+                    _ => spec.layers.len(),
+                };
+                let base = self.base_image(&spec.template_rootfs, &spec.layers[..n])?;
+                let config = moat_api::guest::GuestConfig {
+                    hostname: spec.hostname.clone(),
+                    env: spec.env.clone(),
+                    memory_bytes: spec.limits.memory_mb << 20,
+                    pids: spec.limits.pids,
+                    tmp_mb: spec.limits.tmp_mb,
+                    // Whole cores are the VM's vCPUs; a fraction is a quota inside.
+                    cpu: if spec.limits.cpu.fract() > 0.0 {
+                        spec.limits.cpu
+                    } else {
+                        0.0
+                    },
+                };
+                std::fs::write(&config_disk, moat_api::guest::encode_config_disk(&config))
+                    .context("write the configuration disk")?;
+                if !(spec.keep_files && disk.exists()) {
+                    let size = if spec.limits.disk_mb > 0 {
+                        spec.limits.disk_mb
+                    } else {
+                        DEFAULT_DISK_MB
+                    };
+                    image::create_rw_disk(&disk, size, spec.limits.disk_inodes)?;
+                }
+                (base, n)
+            }
+        };
+        std::fs::set_permissions(&config_disk, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::write(dir.join(LAYER_BASE), base_layers.to_string())?;
+        if !(spec.keep_files && dir.join(DISK_BASELINE).exists()) {
+            std::fs::write(dir.join(DISK_BASELINE), allocated(&disk).to_string())?;
         }
-        // QEMU opens nothing of the host by name: the daemon opens every file and binds both sockets,
+        // QEMU opens nothing of the host by name: the daemon opens every file and binds the sockets,
         // and QEMU gets the descriptors (drives through fd sets, so no permission of the VM's uid on
         // any host path is needed, and a path in its arguments names nothing it could reopen).
         let open = |p: &Path, write: bool| {
@@ -411,6 +484,10 @@ impl MicrovmTier {
         // holds one descriptor of each access mode.
         let disk_ro_f = open(&disk, false)?;
         let config_f = open(&config_disk, false)?;
+        let memory_f = match &restore {
+            Some((image, _)) => Some(open(&image.join(IMAGE_MEMORY), false)?),
+            None => None,
+        };
         let run = dir.join("run");
         let _ = std::fs::remove_dir_all(&run);
         std::fs::create_dir(&run)?;
@@ -424,13 +501,12 @@ impl MicrovmTier {
             Ok(l)
         };
         let agent_l = listen(AGENT_SOCK)?;
+        let control_l = listen(CONTROL_SOCK)?;
         let qmp_l = listen(QMP_SOCK)?;
 
         self.cgroups
             .create(&spec.id, &Self::cgroup_limits(&spec.limits))?;
         let log = std::fs::File::create(dir.join("qemu.log")).context("create qemu.log")?;
-        let vcpus = vcpus(&spec.limits);
-        let mem_mb = spec.limits.memory_mb + GUEST_OVERHEAD_MB;
         use std::os::fd::AsRawFd;
         let fds = QemuFds {
             kernel: kernel_f.as_raw_fd(),
@@ -440,7 +516,9 @@ impl MicrovmTier {
             disk_ro: disk_ro_f.as_raw_fd(),
             config: config_f.as_raw_fd(),
             agent: agent_l.as_raw_fd(),
+            control: control_l.as_raw_fd(),
             qmp: qmp_l.as_raw_fd(),
+            incoming: memory_f.as_ref().map(AsRawFd::as_raw_fd),
         };
         let mut cmd = Command::new(&qemu);
         cmd.args(qemu_args(&QemuArgs {
@@ -466,13 +544,24 @@ impl MicrovmTier {
             qemu_start_ticks: proc::start_ticks(pid).unwrap_or(0),
             uid,
             accel,
+            base: Some(base),
+            base_layers: Some(base_layers),
+            vcpus,
+            mem_mb,
         };
-        // Wait for the guest to open the agent's port.
+        // Wait for the guest to open the agent's port (a restored guest: for QEMU to have loaded
+        // the snapshot, then let it go on).
+        let mut loading = restore.is_some();
         let mut qmp: Option<qmp::Qmp> = None;
         let ready = loop {
             if let Some(status) = child.try_wait()? {
                 break Err(anyhow!(
-                    "the VM ended while booting ({status}): {}",
+                    "the VM ended while {} ({status}): {}",
+                    if restore.is_some() {
+                        "restoring its snapshot"
+                    } else {
+                        "booting"
+                    },
                     self.failure_text(&spec.id, None)
                 ));
             }
@@ -486,10 +575,21 @@ impl MicrovmTier {
             if qmp.is_none() {
                 qmp = self.qmp(&spec.id, uid).ok();
             }
-            match qmp.as_mut().map(agent_port_open) {
-                Some(Ok(true)) => break Ok(()),
-                Some(Err(_)) => qmp = None,
-                _ => {}
+            if let Some(q) = qmp.as_mut() {
+                let step = if loading {
+                    snapshot_loaded(q).map(|done| {
+                        loading = !done;
+                        false
+                    })
+                } else {
+                    agent_port_open(q)
+                };
+                match step {
+                    Ok(true) => break Ok(()),
+                    Ok(false) => {}
+                    Err(e) if loading => break Err(e),
+                    Err(_) => qmp = None,
+                }
             }
             std::thread::sleep(Duration::from_millis(10));
         };
@@ -498,9 +598,45 @@ impl MicrovmTier {
             let _ = child.wait();
             return Err(e);
         }
-        tracing::debug!(sandbox = %spec.id, accel = accel.as_str(), "guest booted to its agent in {:?}", started.elapsed());
+        tracing::debug!(sandbox = %spec.id, accel = accel.as_str(), restored = restore.is_some(), "guest up to its agent in {:?}", started.elapsed());
         // The Child handle is dropped; the daemon (a subreaper) reaps QEMU in `stop_instance`.
         Ok(state)
+    }
+
+    /// Reads a full-state snapshot's description and checks it can be restored as this sandbox.
+    fn check_image(
+        &self,
+        image: &Path,
+        accel: Accel,
+        vcpus: u64,
+        mem_mb: u64,
+    ) -> Result<ImageMeta> {
+        let meta: ImageMeta = serde_json::from_slice(
+            &std::fs::read(image.join(IMAGE_META))
+                .with_context(|| format!("read {}", image.join(IMAGE_META).display()))?,
+        )
+        .context("the snapshot image's description")?;
+        if meta.format != IMAGE_FORMAT {
+            bail!(
+                "the snapshot image has format {} and this moat reads format {IMAGE_FORMAT}",
+                meta.format
+            );
+        }
+        if meta.accel != accel {
+            bail!(
+                "the snapshot was taken under {} and this host runs microVMs under {}",
+                meta.accel.as_str(),
+                accel.as_str()
+            );
+        }
+        if (meta.vcpus, meta.mem_mb) != (vcpus, mem_mb) {
+            bail!(
+                "the snapshot is of a VM with {} vCPUs and {} MiB; this sandbox's limits make {vcpus} and {mem_mb} MiB",
+                meta.vcpus,
+                meta.mem_mb
+            );
+        }
+        Ok(meta)
     }
 
     /// Puts QEMU in the sandbox's cgroup and new network/IPC/UTS namespaces, in a session of its own,
@@ -511,7 +647,7 @@ impl MicrovmTier {
         id: &str,
         uid: u32,
         accel: Accel,
-        inherit: [std::os::fd::RawFd; 8],
+        inherit: Vec<std::os::fd::RawFd>,
     ) -> Result<()> {
         let procs = self.cgroups.procs_files(id)?;
         let kvm_gid: Option<libc::gid_t> = if accel == Accel::Kvm {
@@ -528,7 +664,7 @@ impl MicrovmTier {
             cmd.pre_exec(move || {
                 // The descriptors QEMU is given stay open across exec (the daemon opens all with
                 // O_CLOEXEC); they are open in the daemon until after the spawn.
-                for fd in inherit {
+                for &fd in &inherit {
                     if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -630,16 +766,246 @@ impl MicrovmTier {
         self.qmp(id, s.uid)?.execute(command, json!({}))?;
         Ok(())
     }
+
+    async fn qmp_async(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        command: &'static str,
+    ) -> Result<()> {
+        let (this, id, state) = (self.clone(), id.to_string(), state.clone());
+        tokio::task::spawn_blocking(move || this.qmp_blocking(&id, &state, command)).await?
+    }
+
+    /// Whether the VM is stopped (paused).
+    async fn is_paused(&self, id: &str, s: &MicrovmState) -> Result<bool> {
+        let (this, id, uid) = (self.clone(), id.to_string(), s.uid);
+        tokio::task::spawn_blocking(move || {
+            let st = this.qmp(&id, uid)?.execute("query-status", json!({}))?;
+            Ok(st["running"].as_bool() == Some(false))
+        })
+        .await?
+    }
+
+    fn control(&self, id: &str, uid: u32) -> control::Target {
+        control::Target {
+            id: id.to_string(),
+            sock: self.dir(id).join("run").join(CONTROL_SOCK),
+            uid,
+        }
+    }
+
+    /// The most file data a VM's writable layer can hold: its disk's size.
+    fn layer_bytes_max(&self, id: &str) -> u64 {
+        std::fs::metadata(self.dir(id).join("disk.img")).map_or(DEFAULT_DISK_MB << 20, |m| m.len())
+    }
+
+    /// Saves the running VM `id` into the empty directory `image`: stops it, has QEMU write its
+    /// memory and devices there (a migration to a file), then copies its writable disk (sparse)
+    /// and links its base image and configuration disk. The VM stays stopped.
+    fn save_blocking(&self, id: &str, s: &MicrovmState, image: &Path) -> Result<()> {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let base = s.base.clone().ok_or_else(|| {
+            anyhow!("this VM was started by an older moat; restart it to snapshot it in full")
+        })?;
+        let dir = self.dir(id);
+        let mut q = self.qmp(id, s.uid)?;
+        q.execute("stop", json!({}))?;
+        let memory = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(image.join(IMAGE_MEMORY))
+            .context("create the snapshot's memory file")?;
+        q.execute_with_fd("getfd", json!({"fdname": "moat-snapshot"}), memory.as_fd())?;
+        // The default bandwidth cap (32 MiB/s) is for live migration over a network.
+        q.execute(
+            "migrate-set-parameters",
+            json!({"max-bandwidth": 64u64 << 30}),
+        )?;
+        let started = std::time::Instant::now();
+        q.execute("migrate", json!({"uri": "fd:moat-snapshot"}))?;
+        loop {
+            let m = q.execute("query-migrate", json!({}))?;
+            match m["status"].as_str().unwrap_or("") {
+                "completed" => break,
+                "failed" | "cancelled" => bail!(
+                    "QEMU could not save the VM: {}",
+                    m["error-desc"].as_str().unwrap_or("no reason given")
+                ),
+                _ if started.elapsed() > SAVE_TIMEOUT => {
+                    let _ = q.execute("migrate_cancel", json!({}));
+                    bail!("QEMU did not save the VM within {SAVE_TIMEOUT:?}");
+                }
+                _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        drop(memory);
+        tracing::debug!(sandbox = %id, took = ?started.elapsed(), "VM memory saved");
+        crate::host::diskimage::copy_sparse(&dir.join("disk.img"), &image.join("disk.img"))?;
+        std::fs::copy(dir.join("config.img"), image.join("config.img"))
+            .context("copy the configuration disk")?;
+        // The base image is shared and read-only: a link keeps it for the snapshot (a copy where
+        // the image directory is on another filesystem).
+        if std::fs::hard_link(&base, image.join("base.img")).is_err() {
+            std::fs::copy(&base, image.join("base.img")).context("copy the base image")?;
+        }
+        let meta = ImageMeta {
+            format: IMAGE_FORMAT,
+            accel: s.accel,
+            vcpus: s.vcpus,
+            mem_mb: s.mem_mb,
+            base_layers: s.base_layers.unwrap_or(0),
+        };
+        std::fs::write(image.join(IMAGE_META), serde_json::to_vec_pretty(&meta)?)
+            .context("write the snapshot image's description")?;
+        Ok(())
+    }
 }
 
-/// Whether the guest has opened the agent's serial port (its agent serves).
+/// Bytes a (sparse) file has allocated.
+fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
+}
+
+/// Whether the guest has opened both of the agent's serial ports (its agent serves).
 fn agent_port_open(q: &mut qmp::Qmp) -> Result<bool> {
     let devs = q.execute("query-chardev", json!({}))?;
-    Ok(devs
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|d| d["label"] == "agent" && d["frontend-open"].as_bool() == Some(true)))
+    let open = |label: &str| {
+        devs.as_array()
+            .into_iter()
+            .flatten()
+            .any(|d| d["label"] == label && d["frontend-open"].as_bool() == Some(true))
+    };
+    Ok(open(AGENT_PORT_DEV.1) && open(CONTROL_PORT_DEV.1))
+}
+
+/// The VM's two virtio-serial ports.
+const AGENT_PORT_DEV: PortDev = ("agentport", "agent", 1, moat_api::guest::AGENT_PORT);
+pub(crate) const CONTROL_PORT_DEV: PortDev =
+    ("controlport", "control", 2, moat_api::guest::CONTROL_PORT);
+
+fn serial_port((id, chardev, nr, name): PortDev) -> String {
+    format!("virtserialport,id={id},chardev={chardev},nr={nr},name={name}")
+}
+
+/// Whether QEMU has loaded a snapshot's migration stream; once it has, lets the VM go on.
+///
+/// The snapshotted guest's agent was in the middle of a connection on each port, and a
+/// virtio-serial port has no connection boundaries: a new host connection would read as more of
+/// the old one. So both ports are unplugged and plugged in again as soon as the VM goes on (QEMU 7.2
+/// crashes on a port unplugged before that), and before any host connects: the guest sees its old
+/// ports go (their descriptors fail) and new ones come, which the agent opens afresh.
+fn snapshot_loaded(q: &mut qmp::Qmp) -> Result<bool> {
+    let status = q.execute("query-status", json!({}))?;
+    match status["status"].as_str().unwrap_or("") {
+        "inmigrate" => Ok(false),
+        "paused" | "postmigrate" | "prelaunch" => {
+            q.execute("cont", json!({}))?;
+            replug(q, &[AGENT_PORT_DEV, CONTROL_PORT_DEV])?;
+            Ok(true)
+        }
+        "running" => Ok(true),
+        other => bail!("the VM is {other:?} after loading its snapshot"),
+    }
+}
+
+/// A virtio-serial port of a VM: (device id, chardev, port number, name in the guest).
+type PortDev = (&'static str, &'static str, u32, &'static str);
+
+/// Unplugs the ports `devs` and plugs them in again (the VM must be running). The guest's agent
+/// sees its old ports go (their descriptors fail, ending any connection it was in) and opens the
+/// new ones.
+fn replug(q: &mut qmp::Qmp, devs: &[PortDev]) -> Result<()> {
+    for dev in devs {
+        q.execute("device_del", json!({"id": dev.0}))?;
+    }
+    for (id, chardev, nr, name) in devs {
+        // A deleted port lets go of its chardev once it is finalized, a moment later.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let added = q.execute(
+                "device_add",
+                json!({"driver": "virtserialport", "id": id, "chardev": chardev, "nr": nr, "name": name}),
+            );
+            match added {
+                Ok(_) => break,
+                Err(e)
+                    if std::time::Instant::now() < until
+                        && ["in use", "Duplicate"]
+                            .iter()
+                            .any(|m| format!("{e}").contains(m)) =>
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Which ports of each VM have had no host connection since they were plugged in: a
+/// virtio-serial port has no connection boundaries, so a guest that has not yet seen a host
+/// connection end (it was stopped when the host closed it, or it has not run since) would read
+/// the next one's bytes as more of the old one. A port that may have had a connection is
+/// unplugged and plugged in again before the next one ([`replug`]).
+#[derive(Clone, Default)]
+pub struct PortState(Arc<Mutex<std::collections::HashMap<String, u8>>>);
+
+impl PortState {
+    fn bit(dev: PortDev) -> u8 {
+        if dev.0 == AGENT_PORT_DEV.0 {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Both ports of VM `id` were just plugged in (a boot, a restore).
+    fn mark_clean(&self, id: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(id.to_string(), 3);
+        }
+    }
+
+    fn forget(&self, id: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            m.remove(id);
+        }
+    }
+
+    /// Before a new host connection to port `dev` of the VM `id` (whose sockets are in `run`).
+    pub fn prepare(&self, run: &Path, id: &str, uid: u32, dev: PortDev) -> Result<()> {
+        {
+            let mut m = self.0.lock().map_err(|_| anyhow!("port state poisoned"))?;
+            let e = m.entry(id.to_string()).or_insert(0);
+            if *e & Self::bit(dev) != 0 {
+                *e &= !Self::bit(dev);
+                return Ok(());
+            }
+        }
+        let mut q = qmp::Qmp::connect(&run.join(QMP_SOCK), uid, Duration::from_secs(30))?;
+        replug(&mut q, &[dev])?;
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let devs = q.execute("query-chardev", json!({}))?;
+            let open = devs
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|d| d["label"] == dev.1 && d["frontend-open"].as_bool() == Some(true));
+            if open {
+                return Ok(());
+            }
+            if std::time::Instant::now() > until {
+                bail!("the VM's agent did not open its port {} again", dev.3);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// The guest kernel's command line (before the agent's own arguments).
@@ -707,12 +1073,15 @@ struct QemuFds {
     config: std::os::fd::RawFd,
     /// Listening unix sockets.
     agent: std::os::fd::RawFd,
+    control: std::os::fd::RawFd,
     qmp: std::os::fd::RawFd,
+    /// A full-state snapshot's migration stream, to start from (`-incoming`).
+    incoming: Option<std::os::fd::RawFd>,
 }
 
 impl QemuFds {
-    fn all(&self) -> [std::os::fd::RawFd; 8] {
-        [
+    fn all(&self) -> Vec<std::os::fd::RawFd> {
+        let mut v = vec![
             self.kernel,
             self.initrd,
             self.base,
@@ -720,8 +1089,11 @@ impl QemuFds {
             self.disk_ro,
             self.config,
             self.agent,
+            self.control,
             self.qmp,
-        ]
+        ];
+        v.extend(self.incoming);
+        v
     }
 }
 
@@ -798,7 +1170,10 @@ fn qemu_args(a: &QemuArgs) -> Vec<String> {
                 if readonly {
                     ",readonly=on"
                 } else {
-                    ",discard=unmap"
+                    // No image locks: the VM's disk is its own, and QEMU could not take its
+                    // write lock back after a snapshot (its fd set holds two open files, which
+                    // lock each other out).
+                    ",discard=unmap,file.locking=off"
                 }
             ),
             "-device".into(),
@@ -811,15 +1186,19 @@ fn qemu_args(a: &QemuArgs) -> Vec<String> {
         "-chardev".into(),
         format!("socket,id=agent,fd={},server=on,wait=off", f.agent),
         "-device".into(),
-        format!(
-            "virtserialport,chardev=agent,name={}",
-            moat_api::guest::AGENT_PORT
-        ),
+        serial_port(AGENT_PORT_DEV),
+        "-chardev".into(),
+        format!("socket,id=control,fd={},server=on,wait=off", f.control),
+        "-device".into(),
+        serial_port(CONTROL_PORT_DEV),
         "-chardev".into(),
         format!("socket,id=qmp,fd={},server=on,wait=off", f.qmp),
         "-mon".into(),
         "chardev=qmp,mode=control".into(),
     ]);
+    if let Some(fd) = f.incoming {
+        v.extend(["-incoming".into(), format!("fd:{fd}")]);
+    }
     v
 }
 
@@ -853,7 +1232,34 @@ impl IsolationTier for MicrovmTier {
             .context("the microvm tier is shutting down")?;
         let this = self.clone();
         let spec2 = spec.clone();
-        super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
+        let state = super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await?;
+        self.ports.mark_clean(&spec.id);
+        let t = self.control(&spec.id, parse_state(&state)?.uid);
+        let up = async {
+            // The guest's wall clock: the host's (under TCG the guest has none; a restored guest's
+            // is the snapshot's).
+            self.controls
+                .set_clock(&t)
+                .await
+                .context("set the guest's clock")?;
+            if spec.restore.is_some() {
+                // The snapshot froze the sandbox's processes inside the guest (see `checkpoint`).
+                self.controls
+                    .set_frozen(&t, false)
+                    .await
+                    .context("thaw the restored sandbox's processes")?;
+            }
+            anyhow::Ok(())
+        };
+        if let Err(e) = up.await {
+            let _ = if spec.keep_files {
+                self.release(&spec.id, Some(&state)).await
+            } else {
+                self.destroy(&spec.id, Some(&state)).await
+            };
+            return Err(e);
+        }
+        Ok(state)
     }
 
     fn process_limit_inside(&self) -> bool {
@@ -866,8 +1272,13 @@ impl IsolationTier for MicrovmTier {
 
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream> {
         let s = parse_state(state)?;
-        let path = self.dir(id).join("run").join(AGENT_SOCK);
-        let std = tokio::task::spawn_blocking(move || qmp::connect_owned(&path, s.uid)).await??;
+        let run = self.dir(id).join("run");
+        let (ports, id) = (self.ports.clone(), id.to_string());
+        let std = tokio::task::spawn_blocking(move || {
+            ports.prepare(&run, &id, s.uid, AGENT_PORT_DEV)?;
+            qmp::connect_owned(&run.join(AGENT_SOCK), s.uid)
+        })
+        .await??;
         std.set_nonblocking(true)?;
         Ok(Box::pin(tokio::net::UnixStream::from_std(std)?))
     }
@@ -887,30 +1298,78 @@ impl IsolationTier for MicrovmTier {
     }
 
     async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
-        use std::os::unix::fs::MetadataExt;
-        let disk = std::fs::metadata(self.dir(id).join("disk.img"))
-            .map(|m| m.blocks() * 512)
+        let dir = self.dir(id);
+        let baseline: u64 = std::fs::read_to_string(dir.join(DISK_BASELINE))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
             .unwrap_or(0);
+        let disk = allocated(&dir.join("disk.img")).saturating_sub(baseline);
         Ok(TierUsage::new(self.cgroups.usage(id), (disk, 0)))
     }
 
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()> {
-        let (this, id, state) = (self.clone(), id.to_string(), state.clone());
-        tokio::task::spawn_blocking(move || this.qmp_blocking(&id, &state, "stop")).await?
+        // The sandbox's processes are frozen inside first, so that a snapshot of the paused VM can
+        // run the guest's agent without running them. A guest whose agent does not answer is
+        // stopped all the same.
+        let s = parse_state(state)?;
+        let freeze = tokio::time::timeout(
+            Duration::from_secs(15),
+            self.controls.set_frozen(&self.control(id, s.uid), true),
+        )
+        .await
+        .unwrap_or_else(|_| Err(anyhow!("no answer in 15 s")));
+        if let Err(e) = freeze {
+            tracing::warn!(sandbox = %id, "pausing a VM whose processes could not be frozen inside: {e:#}");
+        }
+        self.qmp_async(id, state, "stop").await
     }
 
     async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()> {
-        let (this, id, state) = (self.clone(), id.to_string(), state.clone());
-        tokio::task::spawn_blocking(move || this.qmp_blocking(&id, &state, "cont")).await?
+        self.qmp_async(id, state, "cont").await?;
+        let s = parse_state(state)?;
+        self.controls
+            .set_frozen(&self.control(id, s.uid), false)
+            .await
+            .context("thaw the sandbox's processes")
+    }
+
+    fn checkpoint_ends_connections(&self) -> bool {
+        false
+    }
+
+    fn layers_under_writable(&self, state: &serde_json::Value) -> Option<usize> {
+        parse_state(state).ok().and_then(|s| s.base_layers)
     }
 
     async fn export_changes(
         &self,
-        _id: &str,
-        _state: &serde_json::Value,
-        _dest: &Path,
+        id: &str,
+        state: &serde_json::Value,
+        dest: &Path,
     ) -> Result<Duration> {
-        bail!("snapshots of microvm sandboxes are not supported yet")
+        let s = parse_state(state)?;
+        // Only the guest reads its disk: a paused VM runs again for the export, its processes
+        // still frozen inside (pause froze them).
+        let paused = self.is_paused(id, &s).await?;
+        if paused {
+            self.qmp_async(id, state, "cont").await?;
+        }
+        let started = std::time::Instant::now();
+        let exported = self
+            .controls
+            .export_layer(
+                &self.control(id, s.uid),
+                true,
+                dest,
+                self.layer_bytes_max(id),
+            )
+            .await;
+        let frozen_for = started.elapsed();
+        if paused {
+            self.qmp_async(id, state, "stop").await?;
+        }
+        exported.context("export the VM's writable layer")?;
+        Ok(frozen_for)
     }
 
     fn host_network(&self) -> Option<&crate::host::net::Network> {
@@ -922,16 +1381,63 @@ impl IsolationTier for MicrovmTier {
     }
 
     fn full_snapshot_unsupported(&self) -> Option<String> {
-        Some("full-state snapshots of microvm sandboxes are not supported yet".into())
+        self.unavailable()
+    }
+
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        changes: &Path,
+        image: &Path,
+    ) -> Result<(Duration, serde_json::Value)> {
+        let s = parse_state(state)?;
+        let t = self.control(id, s.uid);
+        let paused = self.is_paused(id, &s).await?;
+        if paused {
+            self.qmp_async(id, state, "cont").await?;
+        }
+        let started = std::time::Instant::now();
+        // One instant for both: the processes stay frozen inside from the layer's export until the
+        // VM has stopped and been saved; the saved memory holds them frozen (a restore thaws them).
+        let saved = async {
+            self.controls.set_frozen(&t, true).await?;
+            self.controls
+                .export_layer(&t, false, changes, self.layer_bytes_max(id))
+                .await
+                .context("export the VM's writable layer")?;
+            let (this, id, s, image) =
+                (self.clone(), id.to_string(), s.clone(), image.to_path_buf());
+            tokio::task::spawn_blocking(move || this.save_blocking(&id, &s, &image)).await?
+        }
+        .await;
+        // Whatever happened, the VM goes on as it was: running with its processes thawed, or paused.
+        let back = async {
+            if paused {
+                self.qmp_async(id, state, "stop").await
+            } else {
+                self.qmp_async(id, state, "cont").await?;
+                self.controls.set_frozen(&t, false).await
+            }
+        }
+        .await;
+        let stopped_for = started.elapsed();
+        saved?;
+        back.context("let the VM go on after its snapshot")?;
+        Ok((stopped_for, state.clone()))
     }
 
     async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+        self.controls.forget(id).await;
+        self.ports.forget(id);
         let state = state.and_then(|s| parse_state(s).ok());
         let (this, id) = (self.clone(), id.to_string());
         tokio::task::spawn_blocking(move || this.release_blocking(&id, state)).await?
     }
 
     async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+        self.controls.forget(id).await;
+        self.ports.forget(id);
         let state = state.and_then(|s| parse_state(s).ok());
         let (this, id) = (self.clone(), id.to_string());
         tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
@@ -960,7 +1466,9 @@ mod tests {
         disk_ro: 17,
         config: 14,
         agent: 15,
+        control: 18,
         qmp: 16,
+        incoming: None,
     };
 
     #[test]
@@ -1014,8 +1522,13 @@ mod tests {
         }
         let chardevs = after("-chardev");
         assert!(chardevs.contains(&"socket,id=agent,fd=15,server=on,wait=off"));
+        assert!(chardevs.contains(&"socket,id=control,fd=18,server=on,wait=off"));
         assert!(chardevs.contains(&"socket,id=qmp,fd=16,server=on,wait=off"));
+        assert!(devices.contains(&"virtserialport,id=agentport,chardev=agent,nr=1,name=moat.agent"));
+        assert!(devices
+            .contains(&"virtserialport,id=controlport,chardev=control,nr=2,name=moat.control"));
         assert_eq!(after("-mon"), ["chardev=qmp,mode=control"]);
+        assert!(after("-incoming").is_empty());
         assert!(!args
             .iter()
             .any(|a| a.starts_with('/') && !a.starts_with("/proc/self/fd/")));
@@ -1032,6 +1545,29 @@ mod tests {
         assert!(kvm.windows(2).any(|w| w[0] == "-accel" && w[1] == "kvm"));
         assert!(kvm.windows(2).any(|w| w[0] == "-cpu" && w[1] == "host"));
         assert!(!kvm.iter().any(|a| a.contains("tsc")));
+        // A restore reads the snapshot's migration stream from an inherited descriptor too.
+        let restore = qemu_args(&QemuArgs {
+            accel: Accel::Tcg,
+            vcpus: 1,
+            mem_mb: 128,
+            fds: QemuFds {
+                incoming: Some(19),
+                ..FDS
+            },
+            tsc_khz: None,
+        });
+        assert!(restore
+            .windows(2)
+            .any(|w| w[0] == "-incoming" && w[1] == "fd:19"));
+        assert_eq!(
+            QemuFds {
+                incoming: Some(19),
+                ..FDS
+            }
+            .all()
+            .len(),
+            10
+        );
     }
 
     #[test]
