@@ -801,6 +801,16 @@ impl Sandboxes {
         let id = rec.id.clone();
         match self.boot(&rec, &tier, template_rootfs, false).await {
             Ok((agent, state)) => {
+                // The timeout counts from when the sandbox is ready, as the idle clock does: a
+                // microVM that booted for seconds keeps the whole lifetime it was created with.
+                let now = now_ms();
+                let shifted = now.saturating_sub(rec.created_at_ms);
+                if shifted > 0 && rec.expires_at_ms < i64::MAX / 4 {
+                    rec.expires_at_ms = rec.expires_at_ms.saturating_add(shifted);
+                    if let Err(e) = self.db.set_expiry(&id, rec.expires_at_ms) {
+                        tracing::warn!(sandbox = %id, "record the expiry: {e:#}");
+                    }
+                }
                 self.agents.write().await.insert(id.clone(), agent);
                 rec.state = SandboxState::Running;
                 rec.tier_state = Some(state);

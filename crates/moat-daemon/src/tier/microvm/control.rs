@@ -162,9 +162,20 @@ impl Connections {
             http_body_util::BodyDataStream::new(resp.into_body()).map_err(std::io::Error::other);
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
         let dest = dest.to_path_buf();
-        tokio::task::spawn_blocking(move || unpack_layer(reader, &dest, max_bytes)).await?
+        let unpack = tokio::task::spawn_blocking(move || unpack_layer(reader, &dest, max_bytes));
+        // A guest that never ends its archive holds up only its own snapshot, and not for ever
+        // (the unpack ends when the response body is dropped).
+        match tokio::time::timeout(EXPORT_TIMEOUT, unpack).await {
+            Ok(r) => r?,
+            Err(_) => {
+                bail!("the VM's agent did not finish exporting its layer in {EXPORT_TIMEOUT:?}")
+            }
+        }
     }
 }
+
+/// How long the export of a VM's writable layer may take.
+const EXPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
 
 /// The extended attributes a layer may carry from a guest.
 fn allowed_xattr(name: &str) -> bool {
@@ -224,8 +235,12 @@ fn lsetxattr(path: &Path, name: &str, value: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Unpacks a layer archive from a guest into the empty directory `dest` (see the module's notes).
+/// Unpacks a layer archive from a guest into the empty directory `dest` (see the module's notes):
+/// at most `max_bytes` of file data, and at most one entry per 4 KiB of it (no filesystem on the
+/// VM's disk holds more files than that) or a million, whichever is more.
 pub fn unpack_layer(reader: impl Read, dest: &Path, max_bytes: u64) -> Result<()> {
+    let max_entries = (max_bytes / 4096).max(1_000_000);
+    let mut entries = 0u64;
     use nix::sys::stat::{mknod, Mode, SFlag};
     let canon_dest = dest.canonicalize()?;
     let mut ar = tar::Archive::new(reader);
@@ -237,6 +252,10 @@ pub fn unpack_layer(reader: impl Read, dest: &Path, max_bytes: u64) -> Result<()
     let (mut bytes, mut skipped) = (0u64, 0u64);
     for entry in ar.entries().context("read the layer archive")? {
         let mut entry = entry.context("read the layer archive")?;
+        entries += 1;
+        if entries > max_entries {
+            bail!("the layer archive holds more than {max_entries} entries");
+        }
         let raw = entry.path()?.into_owned();
         let rel = plain(&raw)
             .ok_or_else(|| anyhow!("layer entry {:?} is not a plain relative path", raw))?;

@@ -988,6 +988,15 @@ impl PortState {
             }
         }
         let mut q = qmp::Qmp::connect(&run.join(QMP_SOCK), uid, Duration::from_secs(30))?;
+        // (QEMU 7.2 can crash unplugging a port of a stopped VM.)
+        let status = q.execute("query-status", json!({}))?;
+        if status["running"].as_bool() != Some(true) {
+            if let Ok(mut m) = self.0.lock() {
+                m.entry(id.to_string())
+                    .and_modify(|e| *e &= !Self::bit(dev));
+            }
+            bail!("the VM is stopped: its agent cannot be reached until it runs again");
+        }
         replug(&mut q, &[dev])?;
         let until = std::time::Instant::now() + Duration::from_secs(20);
         loop {
