@@ -90,7 +90,8 @@ pub struct CreateSandboxRequest {
     /// Template name; the daemon's default template (`base`) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
-    /// Seconds until the sandbox is killed; the daemon default (300) when absent.
+    /// Seconds until the sandbox is killed, counted from when it is ready (a microVM's boot does
+    /// not use them up); the daemon default (300) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<u64>,
     /// Environment variables every command in the sandbox starts with.
