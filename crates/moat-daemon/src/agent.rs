@@ -18,6 +18,26 @@ use tokio::sync::Mutex;
 
 use crate::tier::{AgentStream, IsolationTier};
 
+/// Speaks HTTP/2 (prior knowledge) over `stream` to an agent of sandbox `id`; the connection runs
+/// in a task of its own until every sender is gone.
+pub async fn handshake(stream: AgentStream, id: &str) -> Result<SendRequest<Body>> {
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(4 << 20)
+        .max_frame_size(1 << 16)
+        .keep_alive_interval(None)
+        .handshake(TokioIo::new(stream))
+        .await
+        .context("HTTP/2 handshake with the agent")?;
+    let id = id.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(sandbox = %id, "agent connection ended: {e}");
+        }
+    });
+    Ok(sender)
+}
+
 /// A lazily (re)connected HTTP/2 client to one sandbox's agent.
 pub struct AgentClient {
     id: String,
@@ -48,20 +68,7 @@ impl AgentClient {
             }
         }
         let stream: AgentStream = self.tier.connect(&self.id, &self.tier_state).await?;
-        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(1 << 20)
-            .initial_connection_window_size(4 << 20)
-            .max_frame_size(1 << 16)
-            .keep_alive_interval(None)
-            .handshake(TokioIo::new(stream))
-            .await
-            .context("HTTP/2 handshake with the agent")?;
-        let id = self.id.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(sandbox = %id, "agent connection ended: {e}");
-            }
-        });
+        let sender = handshake(stream, &self.id).await?;
         *guard = Some(sender.clone());
         Ok(sender)
     }

@@ -23,7 +23,6 @@ use axum::body::Body;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// Which VM's control port to reach.
 #[derive(Debug, Clone)]
@@ -66,19 +65,10 @@ impl Connections {
         })
         .await??;
         std.set_nonblocking(true)?;
-        let stream = tokio::net::UnixStream::from_std(std)?;
-        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(1 << 20)
-            .initial_connection_window_size(4 << 20)
-            .handshake(TokioIo::new(stream))
+        let stream: crate::tier::AgentStream = Box::pin(tokio::net::UnixStream::from_std(std)?);
+        let sender = crate::agent::handshake(stream, &t.id)
             .await
-            .context("HTTP/2 handshake with the VM's control port")?;
-        let id = t.id.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(sandbox = %id, "VM control connection ended: {e}");
-            }
-        });
+            .context("the VM's control port")?;
         map.insert(t.id.clone(), sender.clone());
         Ok(sender)
     }

@@ -870,8 +870,8 @@ fn allocated(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
-/// Whether the guest has opened both of the agent's serial ports (its agent serves).
-fn agent_port_open(q: &mut qmp::Qmp) -> Result<bool> {
+/// Whether the guest has opened the serial ports of each of `chardevs`.
+fn ports_open(q: &mut qmp::Qmp, chardevs: &[&str]) -> Result<bool> {
     let devs = q.execute("query-chardev", json!({}))?;
     let open = |label: &str| {
         devs.as_array()
@@ -879,7 +879,12 @@ fn agent_port_open(q: &mut qmp::Qmp) -> Result<bool> {
             .flatten()
             .any(|d| d["label"] == label && d["frontend-open"].as_bool() == Some(true))
     };
-    Ok(open(AGENT_PORT_DEV.1) && open(CONTROL_PORT_DEV.1))
+    Ok(chardevs.iter().all(|c| open(c)))
+}
+
+/// Whether the guest has opened both of the agent's serial ports (its agent serves).
+fn agent_port_open(q: &mut qmp::Qmp) -> Result<bool> {
+    ports_open(q, &[AGENT_PORT_DEV.1, CONTROL_PORT_DEV.1])
 }
 
 /// The VM's two virtio-serial ports.
@@ -1000,13 +1005,7 @@ impl PortState {
         replug(&mut q, &[dev])?;
         let until = std::time::Instant::now() + Duration::from_secs(20);
         loop {
-            let devs = q.execute("query-chardev", json!({}))?;
-            let open = devs
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|d| d["label"] == dev.1 && d["frontend-open"].as_bool() == Some(true));
-            if open {
+            if ports_open(&mut q, &[dev.1])? {
                 return Ok(());
             }
             if std::time::Instant::now() > until {
