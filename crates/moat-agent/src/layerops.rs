@@ -109,6 +109,22 @@ pub async fn set_clock(body: Incoming) -> HandlerResult {
     no_content()
 }
 
+/// `POST /vm/network`: gives the guest's `eth0` another address, route and nameserver, or takes
+/// them away (a VM restored from a snapshot into another sandbox's network).
+pub async fn set_network(body: Incoming) -> HandlerResult {
+    let req: moat_api::guest::NetworkRequest = read_json(body).await?;
+    if UPPER.get().is_none() {
+        return Err(ApiError::conflict(
+            "only a VM's agent configures its network",
+        ));
+    }
+    tokio::task::spawn_blocking(move || crate::vmnet::configure(req.network.as_ref()))
+        .await
+        .map_err(|e| ApiError::internal(format!("network worker: {e}")))?
+        .map_err(|e| ApiError::internal(format!("the guest's network: {e}")))?;
+    no_content()
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LayerQuery {

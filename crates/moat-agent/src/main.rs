@@ -14,6 +14,7 @@ mod tarops;
 mod tcp;
 mod users;
 mod vm;
+mod vmnet;
 mod watch;
 
 use std::collections::BTreeMap;
@@ -94,6 +95,12 @@ fn vm_boot() -> BTreeMap<String, String> {
         Ok(config) => {
             if let Err(e) = init::loopback_up() {
                 eprintln!("moat-agent: bringing lo up: {e}");
+            }
+            if let Err(e) = vmnet::configure(config.network.as_ref()) {
+                eprintln!("moat-agent: guest boot failed: the network: {e}");
+                // SAFETY: reboot(2) with a valid command; it does not return on success.
+                unsafe { libc::reboot(libc::RB_POWER_OFF) };
+                std::process::exit(1);
             }
             let procs = CString::new(format!("{}/cgroup.procs", moat_api::guest::SANDBOX_CGROUP))
                 .expect("no NUL in a constant path");

@@ -253,6 +253,7 @@ async fn route(
         (["tcp"], Method::POST) => crate::tcp::tunnel(query, body).await,
         (["vm", "freeze"], Method::POST) => crate::layerops::freeze(body).await,
         (["vm", "clock"], Method::POST) => crate::layerops::set_clock(body).await,
+        (["vm", "network"], Method::POST) => crate::layerops::set_network(body).await,
         (["vm", "layer"], Method::GET) => crate::layerops::download(query),
         (
             ["health"]

@@ -36,6 +36,29 @@ pub struct ClockRequest {
     pub realtime_ns: u64,
 }
 
+/// `POST /vm/network` with [`NetworkRequest`]: gives the guest's `eth0` another address, route and
+/// nameserver, or takes them away (a VM restored from a snapshot into another sandbox's network).
+pub const NETWORK_PATH: &str = "/vm/network";
+
+/// The guest's network interface (`eth0`, the VM's virtio-net device) as the host's sandbox network
+/// gave it: one address on a point-to-point subnet whose other end (the gateway) is the host's
+/// side of the sandbox's veth pair, which also answers DNS.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct GuestNetwork {
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: std::net::Ipv4Addr,
+    pub nameserver: std::net::Ipv4Addr,
+}
+
+/// Body of `POST /vm/network`; `network: None` leaves `eth0` down with no address.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    pub network: Option<GuestNetwork>,
+}
+
 /// Body of `POST /vm/freeze`.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -63,6 +86,9 @@ pub struct GuestConfig {
     /// CPU of [`SANDBOX_CGROUP`] in cores (its cpu.max), for fractions of the VM's vCPUs; 0: none.
     #[serde(default)]
     pub cpu: f64,
+    /// `eth0`'s configuration; None: the VM has no network (its interface stays down).
+    #[serde(default)]
+    pub network: Option<GuestNetwork>,
 }
 
 /// The configuration disk's bytes: the JSON, then NULs to a multiple of 4 KiB.
@@ -91,10 +117,19 @@ mod tests {
             pids: 64,
             tmp_mb: 0,
             cpu: 0.5,
+            network: Some(GuestNetwork {
+                address: "10.200.0.6".parse().unwrap(),
+                prefix_len: 30,
+                gateway: "10.200.0.5".parse().unwrap(),
+                nameserver: "10.200.0.5".parse().unwrap(),
+            }),
         };
         let disk = encode_config_disk(&c);
         assert_eq!(disk.len(), 4096);
         assert_eq!(decode_config_disk(&disk).unwrap(), c);
         assert!(decode_config_disk(&[0u8; 512]).is_err());
+        // A configuration without a network (written by an older daemon) reads as none.
+        let old = br#"{"hostname":"h","env":{},"memory_bytes":0,"pids":0,"tmp_mb":0}"#;
+        assert_eq!(decode_config_disk(old).unwrap().network, None);
     }
 }

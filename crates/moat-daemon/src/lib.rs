@@ -92,6 +92,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         args.uid_base,
         cgroups.clone(),
         args.microvm_accel,
+        network.clone(),
     )?;
     let tiers: Vec<Arc<dyn tier::IsolationTier>> =
         vec![Arc::new(container), Arc::new(gvisor), Arc::new(microvm)];

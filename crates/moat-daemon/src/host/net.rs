@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -480,19 +481,7 @@ impl Network {
         policy: &NetworkPolicy,
     ) -> Result<()> {
         let (gw, ip) = self.addresses(slot);
-        let host = self.host_if(slot);
-        // A leftover of a crash with the same name would make `link add` fail.
-        if interfaces().contains(&host) {
-            let _ = run(&["ip", "link", "del", &host], "");
-        }
-        let custom = self
-            .custom
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&slot);
-        if custom || *policy != NetworkPolicy::default() {
-            self.set_policy(slot, policy)?;
-        }
+        let host = self.prepare_slot(slot, policy)?;
         let netns = format!("--net={netns_path}");
         let host_end = format!(
             "addr add {gw}/30 dev {host}\n\
@@ -520,6 +509,47 @@ impl Network {
             }
         }
         configure_sandbox_end(&netns, gw, ip)
+    }
+
+    /// Before a slot's host interface is made: removes a leftover of a crash with its name (which
+    /// would make the new one fail) and installs the slot's policy chain when the policy is not the
+    /// default (or the slot had one). Returns the interface's name.
+    fn prepare_slot(&self, slot: u32, policy: &NetworkPolicy) -> Result<String> {
+        let host = self.host_if(slot);
+        if interfaces().contains(&host) {
+            let _ = run(&["ip", "link", "del", &host], "");
+        }
+        let custom = self
+            .custom
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&slot);
+        if custom || *policy != NetworkPolicy::default() {
+            self.set_policy(slot, policy)?;
+        }
+        Ok(host)
+    }
+
+    /// Gives the VM of slot `slot` (the microvm tier) its link: the slot's host interface is a TAP
+    /// device instead of a veth pair's end, with the gateway's address, under the same rules (they
+    /// match the interface by name) — the VM's virtio-net device is its other end, and the VM's own
+    /// kernel holds the sandbox's address. Returns the TAP's descriptor for QEMU. The device is
+    /// not persistent: it goes when the last descriptor of it closes (QEMU's, when the VM ends),
+    /// so a crashed daemon leaves no interface behind a dead VM.
+    pub fn attach_tap(&self, slot: u32, policy: &NetworkPolicy) -> Result<OwnedFd> {
+        let (gw, _) = self.addresses(slot);
+        let host = self.prepare_slot(slot, policy)?;
+        let tap = open_tap(&host)?;
+        run(
+            &["ip", "-batch", "-"],
+            &format!(
+                "addr add {gw}/30 dev {host}
+                 link set {host} up
+"
+            ),
+        )
+        .context("configure the VM's TAP device")?;
+        Ok(tap)
     }
 
     /// Gives the sandbox's end of slot `slot` in the namespace at `netns` its address and route
@@ -573,6 +603,35 @@ impl Network {
             .filter(|s| !live.contains(s))
             .collect()
     }
+}
+
+/// Makes the TAP device `name` in the daemon's network namespace and returns its descriptor
+/// (`IFF_VNET_HDR`: QEMU's virtio-net passes checksum and segmentation offloads through).
+fn open_tap(name: &str) -> Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open("/dev/net/tun")
+        .context("open /dev/net/tun (the tun module)")?;
+    if name.len() >= libc::IFNAMSIZ {
+        bail!("interface name {name} is too long");
+    }
+    // SAFETY: ifreq is plain data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags =
+        (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+    // SAFETY: TUNSETIFF reads (and fills in) the ifreq, valid for the call; the descriptor is ours.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut ifr) } < 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("make TAP device {name}"));
+    }
+    Ok(OwnedFd::from(tun))
 }
 
 /// Address, route and links of a sandbox's end (`eth0`, and `lo`) in the namespace `netns`

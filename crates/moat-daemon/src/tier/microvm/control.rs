@@ -132,6 +132,19 @@ impl Connections {
         Ok(())
     }
 
+    /// Gives the guest's `eth0` the address, route and nameserver of `network` (None: down, with
+    /// none): a VM restored from a snapshot into another sandbox's network.
+    pub async fn set_network(
+        &self,
+        t: &Target,
+        network: Option<moat_api::guest::GuestNetwork>,
+    ) -> Result<()> {
+        let body = serde_json::to_vec(&moat_api::guest::NetworkRequest { network })?;
+        self.send(t, Method::POST, moat_api::guest::NETWORK_PATH, Some(body))
+            .await?;
+        Ok(())
+    }
+
     /// Exports the guest's writable layer into the empty directory `dest` (at most `max_bytes` of
     /// file data); with `freeze`, the agent keeps the sandbox's processes frozen while it reads it.
     pub async fn export_layer(

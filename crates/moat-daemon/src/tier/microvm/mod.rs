@@ -59,7 +59,8 @@ const DISK_BASELINE: &str = "disk-baseline";
 /// memory and devices), the VM's disks of that instant, and [`ImageMeta`].
 const IMAGE_MEMORY: &str = "memory";
 const IMAGE_META: &str = "moat-vm.json";
-const IMAGE_FORMAT: u32 = 1;
+/// 2: every VM has a virtio-net device (a restore must start the same devices).
+const IMAGE_FORMAT: u32 = 2;
 /// How long QEMU may take to write a VM's memory to a snapshot image.
 const SAVE_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -118,6 +119,9 @@ pub struct MicrovmState {
     pub vcpus: u64,
     #[serde(default)]
     pub mem_mb: u64,
+    /// The slot whose host interface (a TAP device) is the VM's link; None: no network.
+    #[serde(default)]
+    pub net_slot: Option<u32>,
 }
 
 /// How a snapshotted VM was started: a restore must start the same machine.
@@ -153,6 +157,8 @@ pub struct MicrovmTier {
     /// The tier's connections to its VMs' control ports.
     controls: control::Connections,
     ports: PortState,
+    /// The host's sandbox network (shared with the other tiers); None with `--network none`.
+    net: Option<crate::host::net::Network>,
 }
 
 fn find_qemu() -> Option<PathBuf> {
@@ -182,6 +188,7 @@ impl MicrovmTier {
         uid_base: u32,
         cgroups: CgroupLayout,
         choice: AccelChoice,
+        net: Option<crate::host::net::Network>,
     ) -> Result<MicrovmTier> {
         let root = data_dir.join("microvm");
         let images = data_dir.join("microvm-images");
@@ -205,6 +212,7 @@ impl MicrovmTier {
             boot_gate: Arc::new(tokio::sync::Semaphore::new(concurrent_boots())),
             controls: control::Connections::new(ports.clone()),
             ports,
+            net,
         };
         match tier.unavailable() {
             None => tracing::info!(kernel = %tier.guest_kernel.display(), "microvm tier available"),
@@ -391,11 +399,22 @@ impl MicrovmTier {
         }
     }
 
+    /// The guest's side of the sandbox's link: its address on the slot's /30, the host's end as
+    /// gateway and resolver. None when the sandbox has no network.
+    fn guest_network(&self, spec: &SandboxSpec) -> Option<moat_api::guest::GuestNetwork> {
+        let net = self.net.as_ref()?;
+        spec.network.as_ref()?;
+        let (gateway, address) = net.addresses(spec.slot);
+        Some(moat_api::guest::GuestNetwork {
+            address,
+            prefix_len: 30,
+            gateway,
+            nameserver: gateway,
+        })
+    }
+
     fn create_blocking(&self, spec: &SandboxSpec) -> Result<MicrovmState> {
         let qemu = self.qemu()?.to_path_buf();
-        if spec.network.is_some() {
-            bail!("sandbox networking is not available on the microvm tier yet: create it with network none (or start moat serve --network none)");
-        }
         let (accel, _) = self.accel()?;
         let vcpus = vcpus(&spec.limits);
         let mem_mb = spec.limits.memory_mb + GUEST_OVERHEAD_MB;
@@ -447,6 +466,7 @@ impl MicrovmTier {
                     } else {
                         0.0
                     },
+                    network: self.guest_network(spec),
                 };
                 std::fs::write(&config_disk, moat_api::guest::encode_config_disk(&config))
                     .context("write the configuration disk")?;
@@ -503,6 +523,12 @@ impl MicrovmTier {
         let agent_l = listen(AGENT_SOCK)?;
         let control_l = listen(CONTROL_SOCK)?;
         let qmp_l = listen(QMP_SOCK)?;
+        // The VM's link: a TAP device as the slot's host interface (its descriptor goes to QEMU;
+        // the device goes with QEMU's end).
+        let tap = match (&self.net, &spec.network) {
+            (Some(net), Some(policy)) => Some(net.attach_tap(spec.slot, policy)?),
+            _ => None,
+        };
 
         self.cgroups
             .create(&spec.id, &Self::cgroup_limits(&spec.limits))?;
@@ -519,6 +545,7 @@ impl MicrovmTier {
             control: control_l.as_raw_fd(),
             qmp: qmp_l.as_raw_fd(),
             incoming: memory_f.as_ref().map(AsRawFd::as_raw_fd),
+            tap: tap.as_ref().map(AsRawFd::as_raw_fd),
         };
         let mut cmd = Command::new(&qemu);
         cmd.args(qemu_args(&QemuArgs {
@@ -548,7 +575,11 @@ impl MicrovmTier {
             base_layers: Some(base_layers),
             vcpus,
             mem_mb,
+            net_slot: tap.as_ref().map(|_| spec.slot),
         };
+        // QEMU holds the TAP now: the daemon's descriptor is not needed (nor kept, so the device
+        // goes with the VM).
+        drop(tap);
         // Wait for the guest to open the agent's port (a restored guest: for QEMU to have loaded
         // the snapshot, then let it go on).
         let mut loading = restore.is_some();
@@ -738,6 +769,10 @@ impl MicrovmTier {
             super::container::reap(pid);
         }
         killed?;
+        // The TAP device went with QEMU's descriptor; the slot's policy chain is removed here.
+        if let (Some(net), Some(slot)) = (&self.net, state.and_then(|s| s.net_slot)) {
+            net.detach(slot)?;
+        }
         self.cgroups.remove(id)
     }
 
@@ -1085,6 +1120,8 @@ struct QemuFds {
     qmp: std::os::fd::RawFd,
     /// A full-state snapshot's migration stream, to start from (`-incoming`).
     incoming: Option<std::os::fd::RawFd>,
+    /// The TAP device of the VM's link; None: its NIC has no peer (no network).
+    tap: Option<std::os::fd::RawFd>,
 }
 
 impl QemuFds {
@@ -1101,6 +1138,7 @@ impl QemuFds {
             self.qmp,
         ];
         v.extend(self.incoming);
+        v.extend(self.tap);
         v
     }
 }
@@ -1204,6 +1242,18 @@ fn qemu_args(a: &QemuArgs) -> Vec<String> {
         "-mon".into(),
         "chardev=qmp,mode=control".into(),
     ]);
+    // Every VM has the same devices, networked or not, so that any VM can be restored from any
+    // full-state snapshot (a migration stream names its devices): one virtio-net device, whose
+    // peer is the sandbox's TAP device or none (frames to it go nowhere).
+    match f.tap {
+        Some(fd) => v.extend([
+            "-netdev".into(),
+            format!("tap,id=net0,fd={fd},vhost=off"),
+            "-device".into(),
+            "virtio-net-device,netdev=net0".into(),
+        ]),
+        None => v.extend(["-device".into(), "virtio-net-device".into()]),
+    }
     if let Some(fd) = f.incoming {
         v.extend(["-incoming".into(), format!("fd:{fd}")]);
     }
@@ -1251,6 +1301,12 @@ impl IsolationTier for MicrovmTier {
                 .await
                 .context("set the guest's clock")?;
             if spec.restore.is_some() {
+                // The snapshotted guest had the snapshotted sandbox's address (or none): it gets
+                // this sandbox's, and forgets the old link's neighbours and routes.
+                self.controls
+                    .set_network(&t, self.guest_network(spec))
+                    .await
+                    .context("configure the restored guest's network")?;
                 // The snapshot froze the sandbox's processes inside the guest (see `checkpoint`).
                 self.controls
                     .set_frozen(&t, false)
@@ -1381,10 +1437,13 @@ impl IsolationTier for MicrovmTier {
     }
 
     fn host_network(&self) -> Option<&crate::host::net::Network> {
-        None
+        self.net.as_ref()
     }
 
     async fn restore_network(&self, _live: &BTreeMap<u32, moat_api::NetworkPolicy>) -> Result<()> {
+        // The host's sandbox network (one nft table, one address space) is shared with the container
+        // tier, which reinstalls it with the policies of every tier's live sandboxes. A VM's TAP
+        // device lives as long as its QEMU.
         Ok(())
     }
 
@@ -1477,6 +1536,7 @@ mod tests {
         control: 18,
         qmp: 16,
         incoming: None,
+        tap: None,
     };
 
     #[test]
@@ -1576,6 +1636,34 @@ mod tests {
             .len(),
             10
         );
+        // Every VM has one virtio-net device (so any VM restores from any snapshot): without a
+        // network it has no peer; with one, its peer is the inherited TAP descriptor.
+        assert!(after("-netdev").is_empty());
+        assert_eq!(
+            devices
+                .iter()
+                .filter(|d| d.starts_with("virtio-net-device"))
+                .collect::<Vec<_>>(),
+            [&"virtio-net-device"]
+        );
+        let tap = QemuFds {
+            tap: Some(20),
+            ..FDS
+        };
+        let networked = qemu_args(&QemuArgs {
+            accel: Accel::Tcg,
+            vcpus: 1,
+            mem_mb: 128,
+            fds: tap,
+            tsc_khz: None,
+        });
+        assert!(networked
+            .windows(2)
+            .any(|w| w[0] == "-netdev" && w[1] == "tap,id=net0,fd=20,vhost=off"));
+        assert!(networked
+            .windows(2)
+            .any(|w| w[0] == "-device" && w[1] == "virtio-net-device,netdev=net0"));
+        assert!(tap.all().contains(&20));
     }
 
     #[test]
