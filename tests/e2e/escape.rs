@@ -1,7 +1,10 @@
 //! The escape suite: attacks as data (`tests/escape/cases.json`), run here against real sandboxes of the
 //! `base` template. The test fails listing every case that did not hold, and writes
 //! `docs/escape-report.md` (`docs/escape-report-<tier>.md` for the other tiers). Skipped and not-yet-applicable (`tier_todo`) cases are reported as such and
-//! never count as passed.
+//! never count as passed. Around every case the runner also checks the host itself ([`HostState`]):
+//! on the microvm tier, where the guest's root may legitimately act on its own kernel, that is what
+//! tells an in-guest effect from an escape. `MOAT_ESCAPE_ONLY=id,id` runs only those cases (and
+//! writes no report); `MOAT_ESCAPE_DUMP=DIR` keeps every case's output.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -56,9 +59,16 @@ struct Case {
     memory_mb: Option<u64>,
     #[serde(default)]
     cpu: Option<f64>,
+    /// Process limit of the attack sandbox (resource cases).
+    #[serde(default)]
+    pids: Option<u64>,
     /// Writable-layer quota of the attack sandbox (resource cases).
     #[serde(default)]
     disk_mb: Option<u64>,
+    /// Host files that must read the same after the case as before it (on every tier): what a
+    /// write inside the sandbox (a sysctl, a hostname) must not reach.
+    #[serde(default)]
+    host_unchanged: Vec<String>,
     #[serde(default)]
     tier_todo: Option<String>,
     #[serde(default)]
@@ -148,6 +158,8 @@ struct Vars {
     write_path: String,
     api_key_b64: String,
     daemon_port: u16,
+    /// The host kernel's boot id: a procfs that shows it is the host's.
+    host_boot_id: String,
     dir: std::path::PathBuf,
 }
 
@@ -158,6 +170,7 @@ impl Vars {
             .replace("{WRITE_PATH}", &self.write_path)
             .replace("{API_KEY_B64}", &self.api_key_b64)
             .replace("{DAEMON_PORT}", &self.daemon_port.to_string())
+            .replace("{HOST_BOOT_ID}", &self.host_boot_id)
     }
 }
 
@@ -210,6 +223,142 @@ fn judge(case: &Case, vars: &Vars, out: &Output) -> Verdict {
         Verdict::Held(observed)
     } else {
         Verdict::Failed(format!("{}; observed: {observed}", why.join(", ")))
+    }
+}
+
+/// What the runner checks on the host around every case, whatever the case prints: the host files
+/// it names (`host_unchanged`) read the same, the host file {SECRET} is intact, {WRITE_PATH} was not
+/// made, the daemon answers, and on the microvm tier the sandbox's VMM is the same unprivileged QEMU
+/// process as before (same pid and credentials, no capabilities, `no_new_privs`, seccomp) and alone
+/// in its cgroup: an attack that acts on its own guest kernel leaves all of that as it was.
+struct HostState {
+    files: Vec<(String, Option<Vec<u8>>)>,
+    vmm: Option<Result<Vmm, String>>,
+}
+
+#[derive(Debug, PartialEq)]
+struct Vmm {
+    pid: u32,
+    /// The credential lines of its /proc/PID/status.
+    status: Vec<String>,
+}
+
+/// The sandbox's QEMU on the host, checked to hold no privilege (microvm tier only).
+fn vmm_of(sbx: &str) -> Result<Vmm, String> {
+    let pids = cgroup_procs(sbx);
+    let qemu: Vec<u32> = pids
+        .iter()
+        .copied()
+        .filter(|p| {
+            std::fs::read_link(format!("/proc/{p}/exe"))
+                .is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
+        })
+        .collect();
+    if qemu.len() != 1 || pids.len() != 1 {
+        return Err(format!(
+            "the sandbox's cgroup holds {pids:?}, not one QEMU process"
+        ));
+    }
+    let pid = qemu[0];
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
+    let status: Vec<String> = st
+        .lines()
+        .filter(|l| {
+            ["Uid:", "Gid:", "Groups:", "Cap", "NoNewPrivs:", "Seccomp:"]
+                .iter()
+                .any(|k| l.starts_with(k))
+        })
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let has = |want: &str| status.iter().any(|l| l == want);
+    let root = status
+        .iter()
+        .filter(|l| l.starts_with("Uid:") || l.starts_with("Gid:"))
+        .any(|l| l.split_whitespace().skip(1).any(|id| id == "0"));
+    if root
+        || !has("CapPrm: 0000000000000000")
+        || !has("CapEff: 0000000000000000")
+        || !has("NoNewPrivs: 1")
+        || !has("Seccomp: 2")
+    {
+        return Err(format!("QEMU (pid {pid}) holds privilege: {status:?}"));
+    }
+    Ok(Vmm { pid, status })
+}
+
+impl HostState {
+    fn read(sbx: &str, case: &Case, vars: &Vars) -> HostState {
+        HostState {
+            files: case
+                .host_unchanged
+                .iter()
+                .map(|f| {
+                    let f = vars.fill(f);
+                    let v = std::fs::read(&f).ok();
+                    (f, v)
+                })
+                .collect(),
+            vmm: (isolation() == moat_api::Isolation::Microvm).then(|| vmm_of(sbx)),
+        }
+    }
+
+    /// What changed on the host during the case (empty: nothing).
+    async fn changes(&self, c: &Client, sbx: &str, vars: &Vars) -> Vec<String> {
+        let mut bad = Vec::new();
+        for (f, before) in &self.files {
+            let after = std::fs::read(f).ok();
+            if &after != before {
+                bad.push(format!(
+                    "host file {f} changed: {:?} -> {:?}",
+                    before.as_deref().map(String::from_utf8_lossy),
+                    after.as_deref().map(String::from_utf8_lossy)
+                ));
+            }
+        }
+        if std::fs::read_to_string(&vars.secret_path).ok().as_deref() != Some(vars.secret.as_str())
+        {
+            bad.push(format!("host file {} changed", vars.secret_path));
+        }
+        if std::path::Path::new(&vars.write_path).exists() {
+            bad.push(format!("{} appeared on the host", vars.write_path));
+        }
+        match tokio::time::timeout(Duration::from_secs(10), c.health()).await {
+            Ok(Ok(_)) => {}
+            other => bad.push(format!("daemon health after the case: {other:?}")),
+        }
+        match &self.vmm {
+            None => {}
+            Some(Err(e)) => bad.push(format!("before the case: {e}")),
+            Some(Ok(before)) => {
+                if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
+                    // The VM ended itself: its QEMU must be gone, not left running.
+                    if std::fs::read_link(format!("/proc/{}/exe", before.pid))
+                        .is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
+                    {
+                        bad.push(format!("QEMU (pid {}) outlived its sandbox", before.pid));
+                    }
+                } else {
+                    match vmm_of(sbx) {
+                        Ok(after) if &after == before => {}
+                        Ok(after) => bad.push(format!("the VMM changed: {before:?} -> {after:?}")),
+                        Err(e) => bad.push(format!("after the case: {e}")),
+                    }
+                }
+            }
+        }
+        bad
+    }
+}
+
+/// A case's verdict with the runner's host-side checks folded in.
+fn with_host_checks(v: Verdict, bad: Vec<String>) -> Verdict {
+    if bad.is_empty() {
+        return v;
+    }
+    match v {
+        Verdict::Held(o) => Verdict::Failed(format!("{}; observed: {o}", bad.join(", "))),
+        Verdict::Failed(o) => Verdict::Failed(format!("{}; {o}", bad.join(", "))),
+        other => other,
     }
 }
 
@@ -282,7 +431,7 @@ async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict
 }
 
 fn script(suite: &Suite, case: &Case, vars: &Vars) -> String {
-    let mut s = suite.prelude.join("\n");
+    let mut s = vars.fill(&suite.prelude.join("\n"));
     s.push('\n');
     s.push_str(&vars.fill(&case.attack.join("\n")));
     s.push('\n');
@@ -371,6 +520,7 @@ async fn run_resource(
             timeout: Some(600),
             memory_mb: case.memory_mb,
             disk_mb: case.disk_mb,
+            pids: case.pids,
             // Half a core unless the case says otherwise: the host (2 cores in CI) must keep room for
             // the neighbour and the daemon, which is what these cases check.
             cpu: case.cpu.or(Some(0.5)),
@@ -381,6 +531,7 @@ async fn run_resource(
         Ok(s) => s,
         Err(e) => return Verdict::Failed(format!("create attack sandbox: {e}")),
     };
+    let host = HostState::read(&sbx.id, case, vars);
     let secs = case.timeout.unwrap_or(30);
     let attack = {
         let (c, id, s, user) = (
@@ -428,6 +579,7 @@ async fn run_resource(
         Ok(Err(broke)) => judge_ended(c, &sbx.id, case, &broke).await,
         Err(e) => Verdict::Failed(format!("runner: {e}")),
     };
+    let verdict = with_host_checks(verdict, host.changes(c, &sbx.id, vars).await);
     let _ = c.delete_sandbox(&sbx.id).await;
     if probes == 0 {
         probe_failures.push("the attack ended before the neighbour was probed".into());
@@ -443,7 +595,11 @@ async fn run_resource(
     }
 }
 
-fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, usize, usize) {
+fn write_report(
+    suite: &Suite,
+    results: &BTreeMap<String, Verdict>,
+    write: bool,
+) -> (usize, usize, usize) {
     let (mut held, mut failed, mut skipped) = (0, 0, 0);
     let mut rows = String::new();
     for case in &suite.cases {
@@ -508,7 +664,9 @@ fn write_report(suite: &Suite, results: &BTreeMap<String, Verdict>) -> (usize, u
     } else {
         format!("escape-report-{}.md", isolation().as_str())
     };
-    std::fs::write(workspace_root().join("docs").join(name), md).unwrap();
+    if write {
+        std::fs::write(workspace_root().join("docs").join(name), md).unwrap();
+    }
     (held, failed, skipped)
 }
 
@@ -552,15 +710,30 @@ async fn escape_suite() {
         write_path: dir.join("written").display().to_string(),
         api_key_b64: base64::engine::general_purpose::STANDARD.encode(d.api_key()),
         daemon_port: d.port,
+        host_boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .unwrap()
+            .trim()
+            .to_string(),
         dir,
     };
 
     let mut results: BTreeMap<String, Verdict> = BTreeMap::new();
     let mut ordinary = Vec::new();
     let mut resource = Vec::new();
+    // MOAT_ESCAPE_ONLY=id,id runs those cases only (while writing a tier's expectations); the report
+    // is then not written.
+    let only: Option<Vec<String>> = std::env::var("MOAT_ESCAPE_ONLY")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
     for case in suite.cases.iter().map(Case::for_tier) {
         let case = &case;
-        if let Some(why) = &case.tier_todo {
+        if only.as_ref().is_some_and(|o| !o.contains(&case.id)) {
+            results.insert(
+                case.id.clone(),
+                Verdict::Skipped("not in MOAT_ESCAPE_ONLY".into()),
+            );
+        } else if let Some(why) = &case.tier_todo {
             results.insert(
                 case.id.clone(),
                 Verdict::Skipped(format!("tier_todo: {why}")),
@@ -575,7 +748,7 @@ async fn escape_suite() {
     }
 
     let mut workers = Vec::new();
-    for _ in 0..WORKERS {
+    for _ in 0..WORKERS.min(ordinary.len()) {
         workers.push(create(&c, "base").await);
     }
     let suite_ref = &suite;
@@ -592,33 +765,38 @@ async fn escape_suite() {
             let mut out = Vec::new();
             let mut id = sbx.id.clone();
             for case in mine {
+                let host = HostState::read(&id, &case, vars_ref);
                 let v = if case.kind == Kind::Shell {
                     run_shell(&c, &id, suite_ref, &case, vars_ref).await
                 } else {
                     run_api(&c, &id, &case, vars_ref).await
                 };
+                let v = with_host_checks(v, host.changes(&c, &id, vars_ref).await);
                 // A case that ended its worker (held or not) leaves the rest a new one.
                 if c.get_sandbox(&id).await.is_err_and(|e| e.is_not_found()) {
                     id = create(&c, "base").await.id;
                 }
                 out.push((case.id.clone(), v));
             }
-            out
+            (id, out)
         }
     });
-    for batch in futures::future::join_all(runs).await {
+    // The workers as they are now (one a case ended was replaced).
+    let mut live = Vec::new();
+    for (id, batch) in futures::future::join_all(runs).await {
+        live.push(id);
         results.extend(batch);
     }
     for case in &resource {
-        let v = run_resource(&c, &workers[0].id, &suite, case, &vars).await;
+        let v = run_resource(&c, &live[0], &suite, case, &vars).await;
         results.insert(case.id.clone(), v);
     }
-    for w in &workers {
-        let _ = c.delete_sandbox(&w.id).await;
+    for id in &live {
+        let _ = c.delete_sandbox(id).await;
     }
     let _ = std::fs::remove_dir_all(&vars.dir);
 
-    let (held, failed, skipped) = write_report(&suite, &results);
+    let (held, failed, skipped) = write_report(&suite, &results, only.is_none());
     let failures: Vec<String> = suite
         .cases
         .iter()
@@ -627,6 +805,13 @@ async fn escape_suite() {
             _ => None,
         })
         .collect();
+    if only.is_some() {
+        for (id, v) in &results {
+            if !matches!(v, Verdict::Skipped(w) if w == "not in MOAT_ESCAPE_ONLY") {
+                eprintln!("{id}: {v:?}");
+            }
+        }
+    }
     eprintln!(
         "escape suite: {} cases, {held} held, {failed} failed, {skipped} skipped",
         suite.cases.len()
