@@ -28,6 +28,27 @@ async fn create_list_filter_get_and_limits() {
     assert_eq!(s.state, SandboxState::Running);
     assert_eq!(s.env_keys, vec!["PROJECT".to_string()]);
     assert_eq!((s.cpu, s.memory_mb), (0.5, 256));
+    // A microVM under TCG says so in its own info, as the daemon's tier list does; no other
+    // sandbox carries a note.
+    let tier_note = c
+        .health()
+        .await
+        .unwrap()
+        .tiers
+        .into_iter()
+        .find(|t| t.isolation == isolation())
+        .and_then(|t| t.note)
+        .unwrap_or_default();
+    if isolation() == moat_api::Isolation::Microvm && tier_note.contains("TCG") {
+        let note = s.isolation_note.clone().expect("a TCG microVM's note");
+        assert!(note.contains("TCG") && note.contains("slower"), "{note}");
+        assert_eq!(
+            c.get_sandbox(&s.id).await.unwrap().isolation_note,
+            Some(note)
+        );
+    } else {
+        assert_eq!(s.isolation_note, None, "{tier_note}");
+    }
     let out = sh(&c, &s.id, "echo $PROJECT").await;
     assert_eq!(out.stdout, "moat\n");
 

@@ -116,6 +116,38 @@ async fn egress_policy_in_a_test_made_network() {
     let net = a.network.clone().expect("a network");
     assert!(net.ip.starts_with("10.201."), "{net:?}");
     assert!(net.policy.allow_internet);
+    if isolation() == moat_api::Isolation::Microvm {
+        // A VM's link is a TAP device on the host (its NIC's other end) with the gateway's
+        // address, and no IPv6 address a guest could talk to.
+        let addrs = topo.host_interfaces();
+        let ifname = addrs
+            .lines()
+            .find(|l| l.contains(&format!("inet {}/30", net.gateway)))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap_or_else(|| panic!("no host interface with {}: {addrs}", net.gateway))
+            .to_string();
+        let link = std::process::Command::new("ip")
+            .args(["-n", &topo.host, "-d", "-o", "link", "show", "dev", &ifname])
+            .output()
+            .unwrap();
+        let link = String::from_utf8_lossy(&link.stdout);
+        assert!(link.contains("tun type tap"), "{link}");
+        assert!(
+            !addrs.lines().any(
+                |l| l.split_whitespace().nth(1) == Some(ifname.as_str()) && l.contains("inet6")
+            ),
+            "{addrs}"
+        );
+        // Inside, the guest's kernel holds the sandbox's address and routes through the gateway.
+        let inside = sh(&c, &a.id, "busybox ip -4 addr show eth0; busybox ip route").await;
+        assert!(
+            inside.stdout.contains(&format!("inet {}/30", net.ip))
+                && inside
+                    .stdout
+                    .contains(&format!("default via {}", net.gateway)),
+            "{inside:?}"
+        );
+    }
     assert_eq!(
         fetch(&c, &a.id, &format!("http://{INTERNET}:8080/"))
             .await

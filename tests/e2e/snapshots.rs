@@ -299,8 +299,17 @@ async fn pause_stops_cpu_and_resume_continues_the_count() {
     )
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(count(&c, &sbx.id).await > 0);
+    // The counter's first values (a loaded host may take a while to start it in an emulated VM).
+    let mut counted = false;
+    for _ in 0..100 {
+        let out = sh(&c, &sbx.id, "cat /root/count 2>/dev/null").await;
+        if out.stdout.trim().parse::<u64>().is_ok_and(|n| n > 0) {
+            counted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(counted, "the counter did not start");
 
     let paused = c.pause_sandbox(&sbx.id).await.unwrap();
     assert_eq!(paused.sandbox.state, SandboxState::Paused);

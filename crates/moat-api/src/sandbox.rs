@@ -245,6 +245,10 @@ pub struct Sandbox {
     /// Ports reachable without any token.
     #[serde(default)]
     pub allow_public_traffic: bool,
+    /// How the sandbox's isolation runs on this host, where that is worth a warning: a microVM
+    /// under TCG (software emulation, where the host's KVM cannot run the guest) says so here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation_note: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

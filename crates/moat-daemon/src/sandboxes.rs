@@ -160,6 +160,7 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         network: None,
         access_token: r.access_token.clone(),
         allow_public_traffic: r.public_traffic,
+        isolation_note: None,
     }
 }
 
@@ -422,6 +423,9 @@ impl Sandboxes {
     /// A sandbox as the API shows it (with its network, which the tier knows).
     fn api(&self, r: &SandboxRecord) -> Sandbox {
         let mut out = to_api(r);
+        if let (Some(state), Some(tier)) = (&r.tier_state, self.tiers.get(&r.isolation)) {
+            out.isolation_note = tier.sandbox_note(state);
+        }
         if let (Some(policy), Some(tier)) = (&r.network, self.tiers.get(&r.isolation)) {
             if let Some((gw, ip)) = tier.network_addresses(r.slot) {
                 out.network = Some(moat_api::NetworkInfo {
@@ -657,6 +661,7 @@ impl Sandboxes {
         if snapshot.is_none()
             && self.pool_serves(&template, isolation)
             && fixed(&claim.limits) == fixed(&defaults)
+            && tier.can_take_limits(&defaults, &claim.limits)
         {
             if let Some(rec) = self.claim(&claim, &tier).await {
                 return Ok(self.api(&rec));

@@ -540,6 +540,9 @@ impl Network {
         let (gw, _) = self.addresses(slot);
         let host = self.prepare_slot(slot, policy)?;
         let tap = open_tap(&host)?;
+        // No IPv6 on the host's end (the guard chain drops a sandbox's IPv6 anyway): the host has
+        // no link-local address a guest could talk to. A host without IPv6 has no such file.
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1");
         run(
             &["ip", "-batch", "-"],
             &format!(

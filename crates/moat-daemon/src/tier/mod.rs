@@ -96,6 +96,12 @@ pub trait IsolationTier: Send + Sync {
     /// Starts the sandbox; returns the state needed to reach and remove it later.
     async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value>;
 
+    /// A warning about how this sandbox's isolation runs on this host, for its API view (a microVM
+    /// under TCG); None when there is none.
+    fn sandbox_note(&self, _state: &serde_json::Value) -> Option<String> {
+        None
+    }
+
     /// Opens a new byte stream to the sandbox's agent.
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream>;
 
@@ -109,6 +115,13 @@ pub trait IsolationTier: Send + Sync {
         state: &serde_json::Value,
         limits: &SandboxLimits,
     ) -> Result<()>;
+
+    /// Whether a sandbox started with `started` can be given `wanted` by [`Self::set_limits`] (a
+    /// sandbox of the warm pool, started with the defaults, taken by a create asking for others).
+    /// False where a limit is fixed when the sandbox starts: a microVM's memory and vCPUs.
+    fn can_take_limits(&self, _started: &SandboxLimits, _wanted: &SandboxLimits) -> bool {
+        true
+    }
 
     /// Live usage, read on the host.
     async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage>;

@@ -17,6 +17,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use axum::body::Body;
@@ -121,15 +122,28 @@ impl Connections {
         Ok(())
     }
 
-    /// Sets the guest's wall clock to the host's.
+    /// Sets the guest's wall clock to the host's. A request takes time to reach the guest, which
+    /// would then be behind the host by that much (milliseconds under TCG: enough to put a command's
+    /// start, stamped by the guest, before the request that started it in the audit log). So the
+    /// clock is set three times: the first makes the connection, the second measures a round trip,
+    /// the third sets the host's time plus half of it.
     pub async fn set_clock(&self, t: &Target) -> Result<()> {
-        let realtime_ns = std::time::SystemTime::now()
+        self.send_clock(t, Duration::ZERO).await?;
+        let round_trip = self.send_clock(t, Duration::ZERO).await?;
+        self.send_clock(t, round_trip / 2).await?;
+        Ok(())
+    }
+
+    /// Sets the guest's clock to the host's plus `ahead`; returns how long the request took.
+    async fn send_clock(&self, t: &Target, ahead: Duration) -> Result<Duration> {
+        let started = std::time::Instant::now();
+        let realtime_ns = (std::time::SystemTime::now() + ahead)
             .duration_since(std::time::UNIX_EPOCH)?
             .as_nanos() as u64;
         let body = serde_json::to_vec(&moat_api::guest::ClockRequest { realtime_ns })?;
         self.send(t, Method::POST, moat_api::guest::CLOCK_PATH, Some(body))
             .await?;
-        Ok(())
+        Ok(started.elapsed())
     }
 
     /// Gives the guest's `eth0` the address, route and nameserver of `network` (None: down, with

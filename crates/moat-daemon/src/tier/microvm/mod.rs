@@ -1330,6 +1330,17 @@ impl IsolationTier for MicrovmTier {
         true
     }
 
+    fn sandbox_note(&self, state: &serde_json::Value) -> Option<String> {
+        let s = parse_state(state).ok()?;
+        (s.accel == Accel::Tcg).then(|| {
+            // The tier's own note says why (the KVM probe's finding, or --microvm-accel tcg).
+            match self.accel.lock().ok().and_then(|a| a.clone()) {
+                Some((Accel::Tcg, why)) => why,
+                _ => "TCG (software emulation): guests run 10-50x slower than under KVM".into(),
+            }
+        })
+    }
+
     fn oom_counter_inside(&self) -> Option<String> {
         Some(format!("{}/memory.events", moat_api::guest::SANDBOX_CGROUP))
     }
@@ -1359,6 +1370,17 @@ impl IsolationTier for MicrovmTier {
     ) -> Result<()> {
         // CPU time is the host cgroup's; guest memory and vCPUs are fixed when the VM boots.
         self.cgroups.create(id, &Self::cgroup_limits(limits))
+    }
+
+    fn can_take_limits(
+        &self,
+        started: &moat_api::SandboxLimits,
+        wanted: &moat_api::SandboxLimits,
+    ) -> bool {
+        // Guest RAM and vCPUs are the VM's own, fixed at boot, and so are the guest's inner cgroup
+        // limits (memory, CPU fraction, processes): a create asking for others boots a VM of its own.
+        let fixed = |l: &moat_api::SandboxLimits| (l.cpu.to_bits(), l.memory_mb, l.pids);
+        fixed(started) == fixed(wanted)
     }
 
     async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
@@ -1391,8 +1413,15 @@ impl IsolationTier for MicrovmTier {
     async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()> {
         self.qmp_async(id, state, "cont").await?;
         let s = parse_state(state)?;
+        let t = self.control(id, s.uid);
+        // The guest's clock stood still while the VM was stopped: it is set again before the
+        // sandbox's processes run.
         self.controls
-            .set_frozen(&self.control(id, s.uid), false)
+            .set_clock(&t)
+            .await
+            .context("set the resumed guest's clock")?;
+        self.controls
+            .set_frozen(&t, false)
             .await
             .context("thaw the sandbox's processes")
     }
@@ -1484,6 +1513,8 @@ impl IsolationTier for MicrovmTier {
                 self.qmp_async(id, state, "stop").await
             } else {
                 self.qmp_async(id, state, "cont").await?;
+                // The clock stood still while the VM was stopped for its save.
+                self.controls.set_clock(&t).await?;
                 self.controls.set_frozen(&t, false).await
             }
         }
