@@ -82,7 +82,7 @@ async fn log_until(
         limit: Some(1000),
         ..Default::default()
     };
-    for _ in 0..50 {
+    for _ in 0..200 {
         let log = c.network_log(id, &q).await.unwrap();
         if log.iter().any(&pred) {
             return log;
@@ -560,10 +560,17 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         e.name.as_deref() == Some("inside.example") && e.protocol == "tcp"
     })
     .await;
+    // Entries of what nftables decided alone come through NFLOG, apart from the proxy's own: wait
+    // for each kind (an emulated VM on a loaded host may be seconds behind).
     let log = if log.iter().any(|e| e.protocol == "udp") {
         log
     } else {
         log_until(&c, id, |e| e.protocol == "udp").await
+    };
+    let log = if log.iter().any(|e| e.dst_ip.as_deref() == Some(METADATA)) {
+        log
+    } else {
+        log_until(&c, id, |e| e.dst_ip.as_deref() == Some(METADATA)).await
     };
     let e = log
         .iter()

@@ -545,11 +545,7 @@ impl Network {
         let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1");
         run(
             &["ip", "-batch", "-"],
-            &format!(
-                "addr add {gw}/30 dev {host}
-                 link set {host} up
-"
-            ),
+            &format!("addr add {gw}/30 dev {host}\nlink set {host} up\n"),
         )
         .context("configure the VM's TAP device")?;
         Ok(tap)
