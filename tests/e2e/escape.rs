@@ -243,17 +243,15 @@ struct Vmm {
     status: Vec<String>,
 }
 
+/// Whether host process `pid` runs QEMU.
+fn is_qemu(pid: u32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
+}
+
 /// The sandbox's QEMU on the host, checked to hold no privilege (microvm tier only).
 fn vmm_of(sbx: &str) -> Result<Vmm, String> {
     let pids = cgroup_procs(sbx);
-    let qemu: Vec<u32> = pids
-        .iter()
-        .copied()
-        .filter(|p| {
-            std::fs::read_link(format!("/proc/{p}/exe"))
-                .is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
-        })
-        .collect();
+    let qemu: Vec<u32> = pids.iter().copied().filter(|p| is_qemu(*p)).collect();
     if qemu.len() != 1 || pids.len() != 1 {
         return Err(format!(
             "the sandbox's cgroup holds {pids:?}, not one QEMU process"
@@ -332,9 +330,7 @@ impl HostState {
             Some(Ok(before)) => {
                 if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
                     // The VM ended itself: its QEMU must be gone, not left running.
-                    if std::fs::read_link(format!("/proc/{}/exe", before.pid))
-                        .is_ok_and(|e| e.ends_with("qemu-system-x86_64"))
-                    {
+                    if is_qemu(before.pid) {
                         bad.push(format!("QEMU (pid {}) outlived its sandbox", before.pid));
                     }
                 } else {

@@ -113,31 +113,34 @@ fn set_bound(bound: bool) -> io::Result<()> {
         .map_err(|e| io::Error::new(e.kind(), format!("{file} {dev} (virtio_net): {e}")))
 }
 
-fn set_up(sock: &OwnedFd, name: &str, up: bool) -> io::Result<()> {
+/// Brings the interface `name` up or down. Nothing is set when it already is so: the container
+/// tier brings `lo` up before the agent's capability drop, after which SIOCSIFFLAGS would fail.
+pub fn set_link(name: &str, up: bool) -> io::Result<()> {
+    let sock = inet_socket()?;
     let mut ifr = ifreq(name);
     ioctl(
-        sock,
+        &sock,
         libc::SIOCGIFFLAGS,
         (&mut ifr as *mut libc::ifreq).cast(),
-        "SIOCGIFFLAGS",
+        &format!("read {name}'s flags"),
     )?;
+    let flag = libc::IFF_UP as libc::c_short;
     // SAFETY: SIOCGIFFLAGS wrote ifru_flags, the union member read and updated here.
     unsafe {
+        if (ifr.ifr_ifru.ifru_flags & flag != 0) == up {
+            return Ok(());
+        }
         if up {
-            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            ifr.ifr_ifru.ifru_flags |= flag;
         } else {
-            ifr.ifr_ifru.ifru_flags &= !(libc::IFF_UP as libc::c_short);
+            ifr.ifr_ifru.ifru_flags &= !flag;
         }
     }
     ioctl(
-        sock,
+        &sock,
         libc::SIOCSIFFLAGS,
         (&mut ifr as *mut libc::ifreq).cast(),
-        if up {
-            "bring eth0 up"
-        } else {
-            "bring eth0 down"
-        },
+        &format!("bring {name} {}", if up { "up" } else { "down" }),
     )
 }
 
@@ -146,19 +149,11 @@ fn set_addr(
     name: &str,
     req: libc::c_ulong,
     addr: std::net::Ipv4Addr,
+    what: &str,
 ) -> io::Result<()> {
     let mut ifr = ifreq(name);
     ifr.ifr_ifru.ifru_addr = sockaddr_in(addr);
-    ioctl(
-        sock,
-        req,
-        (&mut ifr as *mut libc::ifreq).cast(),
-        if req == libc::SIOCSIFADDR {
-            "set eth0's address"
-        } else {
-            "set eth0's netmask"
-        },
-    )
+    ioctl(sock, req, (&mut ifr as *mut libc::ifreq).cast(), what)
 }
 
 fn add_default_route(sock: &OwnedFd, gateway: std::net::Ipv4Addr) -> io::Result<()> {
@@ -203,7 +198,6 @@ fn netmask(prefix_len: u8) -> std::net::Ipv4Addr {
 /// old neighbour (ARP) entries and the routes through it, so a VM restored into another sandbox's
 /// network keeps nothing of the old one.
 pub fn configure(net: Option<&GuestNetwork>) -> io::Result<()> {
-    let sock = inet_socket()?;
     let Some(n) = net else {
         return if exists(IFACE) {
             set_bound(false)
@@ -212,7 +206,7 @@ pub fn configure(net: Option<&GuestNetwork>) -> io::Result<()> {
         };
     };
     if exists(IFACE) {
-        set_up(&sock, IFACE, false)?;
+        set_link(IFACE, false)?;
     } else {
         set_bound(true)?;
         if !exists(IFACE) {
@@ -222,9 +216,22 @@ pub fn configure(net: Option<&GuestNetwork>) -> io::Result<()> {
             ));
         }
     }
-    set_addr(&sock, IFACE, libc::SIOCSIFADDR, n.address)?;
-    set_addr(&sock, IFACE, libc::SIOCSIFNETMASK, netmask(n.prefix_len))?;
-    set_up(&sock, IFACE, true)?;
+    let sock = inet_socket()?;
+    set_addr(
+        &sock,
+        IFACE,
+        libc::SIOCSIFADDR,
+        n.address,
+        "set eth0's address",
+    )?;
+    set_addr(
+        &sock,
+        IFACE,
+        libc::SIOCSIFNETMASK,
+        netmask(n.prefix_len),
+        "set eth0's netmask",
+    )?;
+    set_link(IFACE, true)?;
     add_default_route(&sock, n.gateway)?;
     // A template's resolv.conf (or a symlink to one) is replaced, never followed: the sandbox's
     // resolver is the host's end of its link.
