@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
 use moat_api::guest::{FreezeRequest, SANDBOX_CGROUP};
-use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use crate::http::{no_content, parse_query, read_json, streamed, ApiError, HandlerResult};
@@ -125,17 +124,9 @@ pub async fn set_network(body: Incoming) -> HandlerResult {
     no_content()
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LayerQuery {
-    /// Freeze the sandbox's processes for as long as the archive is being written.
-    #[serde(default)]
-    freeze: bool,
-}
-
 /// `GET /vm/layer[?freeze=true]`
 pub fn download(query: Option<&str>) -> HandlerResult {
-    let q: LayerQuery = parse_query(query)?;
+    let q: moat_api::protocol::LayerQuery = parse_query(query)?;
     let root = upper_root()?;
     let (tx, rx) = mpsc::channel(8);
     tokio::task::spawn_blocking(move || {

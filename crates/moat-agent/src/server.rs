@@ -8,6 +8,7 @@ use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use moat_api::protocol::{resolve, AgentHealth, Resolved, Route};
 use moat_api::{ErrorBody, ErrorCode, AGENT_PROTOCOL_VERSION};
 use std::path::PathBuf;
 
@@ -202,7 +203,7 @@ pub async fn handle(
     Ok(resp)
 }
 
-fn method_not_allowed(method: &Method, path: &str) -> HandlerResult {
+fn method_not_allowed(method: &Method, path: &str, allowed: &[Method]) -> HandlerResult {
     let body = ErrorBody::new(
         ErrorCode::InvalidArgument,
         format!("method {method} is not allowed on {path}"),
@@ -213,9 +214,15 @@ fn method_not_allowed(method: &Method, path: &str) -> HandlerResult {
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/json"),
     );
+    let allow: Vec<&str> = allowed.iter().map(Method::as_str).collect();
+    if let Ok(v) = header::HeaderValue::from_str(&allow.join(", ")) {
+        resp.headers_mut().insert(header::ALLOW, v);
+    }
     Ok(resp)
 }
 
+/// Dispatches by the protocol's route table (`moat_api::protocol`): 404 and 405 come from the
+/// table, and the `match` names every route, so the agent serves exactly what the daemon can ask.
 async fn route(
     agent: &Agent,
     method: &Method,
@@ -223,52 +230,44 @@ async fn route(
     query: Option<&str>,
     body: Incoming,
 ) -> HandlerResult {
-    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let m = method.clone();
-    match (segs.as_slice(), m) {
-        (["health"], Method::GET) => json(
+    let (route, sel) = match resolve(method, path) {
+        Resolved::Found { route, process } => (route, process.unwrap_or("")),
+        Resolved::MethodNotAllowed(allowed) => return method_not_allowed(method, path, &allowed),
+        Resolved::NotFound => return Err(ApiError::not_found(format!("no endpoint {path}"))),
+    };
+    match route {
+        Route::Health => json(
             StatusCode::OK,
-            &serde_json::json!({"protocol": AGENT_PROTOCOL_VERSION, "version": env!("CARGO_PKG_VERSION")}),
+            &AgentHealth {
+                protocol: AGENT_PROTOCOL_VERSION,
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            },
         ),
-        (["env"], Method::POST) => set_env(agent, body).await,
-        (["config"], Method::POST) => set_config(agent, body).await,
-        (["processes"], Method::GET) => procapi::list(agent),
-        (["processes"], Method::POST) => procapi::start(agent, body).await,
-        (["processes", sel, "events"], Method::GET) => procapi::events(agent, sel, query),
-        (["processes", sel, "stdin"], Method::POST) => procapi::stdin(agent, sel, body).await,
-        (["processes", sel, "close-stdin"], Method::POST) => procapi::close_stdin(agent, sel),
-        (["processes", sel, "signal"], Method::POST) => procapi::signal(agent, sel, body).await,
-        (["processes", sel, "resize"], Method::POST) => procapi::resize(agent, sel, body).await,
-        (["files"], Method::GET) => fsops::read_file(query).await,
-        (["files"], Method::PUT) => fsops::write_file(query, body).await,
-        (["fs", "stat"], Method::GET) => fsops::stat(query),
-        (["fs", "exists"], Method::GET) => fsops::exists(query),
-        (["fs", "list"], Method::GET) => fsops::list(query).await,
-        (["fs", "mkdir"], Method::POST) => fsops::mkdir(body).await,
-        (["fs", "rename"], Method::POST) => fsops::rename(body).await,
-        (["fs"], Method::DELETE) => fsops::remove(query).await,
-        (["fs", "tar"], Method::GET) => tarops::download(query),
-        (["fs", "tar"], Method::PUT) => tarops::upload(query, body).await,
-        (["fs", "watch"], Method::GET) => watch::watch(query),
-        (["tcp"], Method::POST) => crate::tcp::tunnel(query, body).await,
-        (["vm", "freeze"], Method::POST) => crate::layerops::freeze(body).await,
-        (["vm", "clock"], Method::POST) => crate::layerops::set_clock(body).await,
-        (["vm", "network"], Method::POST) => crate::layerops::set_network(body).await,
-        (["vm", "layer"], Method::GET) => crate::layerops::download(query),
-        (
-            ["health"]
-            | ["env"]
-            | ["config"]
-            | ["processes"]
-            | ["processes", _, "events" | "stdin" | "close-stdin" | "signal" | "resize"]
-            | ["files"]
-            | ["tcp"]
-            | ["vm", "freeze" | "layer" | "clock"]
-            | ["fs"]
-            | ["fs", "stat" | "exists" | "list" | "mkdir" | "rename" | "tar" | "watch"],
-            _,
-        ) => method_not_allowed(method, path),
-        _ => Err(ApiError::not_found(format!("no endpoint {path}"))),
+        Route::SetEnv => set_env(agent, body).await,
+        Route::Configure => set_config(agent, body).await,
+        Route::ListProcesses => procapi::list(agent),
+        Route::StartProcess => procapi::start(agent, body).await,
+        Route::ProcessEvents => procapi::events(agent, sel, query),
+        Route::ProcessStdin => procapi::stdin(agent, sel, body).await,
+        Route::ProcessCloseStdin => procapi::close_stdin(agent, sel),
+        Route::ProcessSignal => procapi::signal(agent, sel, body).await,
+        Route::ProcessResize => procapi::resize(agent, sel, body).await,
+        Route::ReadFile => fsops::read_file(query).await,
+        Route::WriteFile => fsops::write_file(query, body).await,
+        Route::Stat => fsops::stat(query),
+        Route::Exists => fsops::exists(query),
+        Route::ListDir => fsops::list(query).await,
+        Route::Mkdir => fsops::mkdir(body).await,
+        Route::Rename => fsops::rename(body).await,
+        Route::Remove => fsops::remove(query).await,
+        Route::DownloadTar => tarops::download(query),
+        Route::UploadTar => tarops::upload(query, body).await,
+        Route::Watch => watch::watch(query),
+        Route::Tcp => crate::tcp::tunnel(query, body).await,
+        Route::VmFreeze => crate::layerops::freeze(body).await,
+        Route::VmClock => crate::layerops::set_clock(body).await,
+        Route::VmNetwork => crate::layerops::set_network(body).await,
+        Route::VmLayer => crate::layerops::download(query),
     }
 }
 

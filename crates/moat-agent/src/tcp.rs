@@ -9,20 +9,13 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::StatusCode;
-use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use crate::http::{parse_query, streamed, ApiError, HandlerResult};
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Query {
-    port: u16,
-}
-
 pub async fn tunnel(query: Option<&str>, mut body: Incoming) -> HandlerResult {
-    let q: Query = parse_query(query)?;
+    let q: moat_api::protocol::TcpQuery = parse_query(query)?;
     if q.port == 0 {
         return Err(ApiError::invalid("port", "port must be 1..=65535"));
     }

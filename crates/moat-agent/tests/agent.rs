@@ -178,6 +178,26 @@ async fn health_and_routing() {
     );
     let (s, _) = c.json(Method::DELETE, "/health", Value::Null).await;
     assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    // Every route of the protocol's table is the agent's: a method it does not take answers 405
+    // naming the ones it does (never 404), as the table says.
+    use moat_api::protocol::{resolve, Resolved, Route};
+    let sel = moat_api::ProcessSelector::Tag("t".into());
+    for &route in Route::ALL {
+        let path = route
+            .path(route.takes_process().then_some(&sel))
+            .expect("path");
+        let Resolved::MethodNotAllowed(allowed) = resolve(&Method::PATCH, &path) else {
+            panic!("{path} takes PATCH");
+        };
+        let resp = c.raw(Method::PATCH, &path, "").await;
+        assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED, "{path}");
+        let allow = resp.headers()[http::header::ALLOW]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let want: Vec<&str> = allowed.iter().map(Method::as_str).collect();
+        assert_eq!(allow, want.join(", "), "{path}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

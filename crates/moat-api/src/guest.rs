@@ -19,26 +19,16 @@ pub const AGENT_PORT: &str = "moat.agent";
 /// sandbox's processes, exporting its writable layer) while the daemon's connection is in use (a
 /// virtio-serial port carries one host connection at a time).
 pub const CONTROL_PORT: &str = "moat.control";
-/// Where the agent asks its writable layer be exported from in VM mode (`GET /vm/layer`).
-pub const LAYER_PATH: &str = "/vm/layer";
-/// `POST /vm/freeze` with [`FreezeRequest`]: freezes (and syncs) or thaws the sandbox's processes.
-pub const FREEZE_PATH: &str = "/vm/freeze";
+// The microvm tier's own routes (`/vm/*`) are in `crate::protocol`.
 
-/// `POST /vm/clock` with [`ClockRequest`]: sets the guest's wall clock (a microVM has no clock of
-/// its own under TCG, and a restored one's stopped while it was saved).
-pub const CLOCK_PATH: &str = "/vm/clock";
-
-/// Body of `POST /vm/clock`.
+/// Body of `POST /vm/clock`: sets the guest's wall clock (a microVM has no clock of its own under
+/// TCG, and a restored one's stopped while it was saved).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct ClockRequest {
     /// Nanoseconds since the Unix epoch.
     pub realtime_ns: u64,
 }
-
-/// `POST /vm/network` with [`NetworkRequest`]: gives the guest's `eth0` another address, route and
-/// nameserver, or takes them away (a VM restored from a snapshot into another sandbox's network).
-pub const NETWORK_PATH: &str = "/vm/network";
 
 /// The guest's network interface (`eth0`, the VM's virtio-net device) as the host's sandbox network
 /// gave it: one address on a point-to-point subnet whose other end (the gateway) is the host's
@@ -52,7 +42,9 @@ pub struct GuestNetwork {
     pub nameserver: std::net::Ipv4Addr,
 }
 
-/// Body of `POST /vm/network`; `network: None` leaves `eth0` down with no address.
+/// Body of `POST /vm/network`: gives the guest's `eth0` another address, route and nameserver, or
+/// takes them away (a VM restored from a snapshot into another sandbox's network); `network: None`
+/// leaves `eth0` down with no address.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct NetworkRequest {

@@ -13,6 +13,7 @@ pub mod files;
 pub mod guest;
 pub mod network;
 pub mod process;
+pub mod protocol;
 pub mod sandbox;
 pub mod snapshot;
 pub mod template;

@@ -11,15 +11,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use moat_api::{AuditEntry, AuditQuery, ProcessList, SandboxState};
+use moat_api::{AuditEntry, AuditQuery, SandboxState};
 use rusqlite::{params, params_from_iter};
 use serde_json::json;
 use sha2::Digest;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::clock::{now_ms, rfc3339};
 use crate::db::Db;
 use crate::error::{ApiError, ApiResult};
-use crate::sandboxes::{now_ms, rfc3339, Sandboxes};
+use crate::sandboxes::Sandboxes;
 
 /// Entries waiting for the writer; a full queue makes senders wait.
 const QUEUE: usize = 4096;
@@ -164,15 +165,10 @@ impl Audit {
         // Ask the agent first, without holding the lock: one slow sandbox must not hold up the others.
         let list = match sandboxes.agent_untouched(id).await {
             Ok(agent) => {
-                match tokio::time::timeout(
-                    Duration::from_secs(5),
-                    agent.get_json::<ProcessList>("/processes"),
-                )
-                .await
-                {
+                match tokio::time::timeout(Duration::from_secs(5), agent.processes()).await {
                     Ok(Ok(l)) => Some(l.processes),
                     Ok(Err(e)) => {
-                        tracing::debug!(sandbox = %id, "audit poll: {e:#}");
+                        tracing::debug!(sandbox = %id, "audit poll: {e}");
                         None
                     }
                     Err(_) => None,

@@ -235,7 +235,7 @@ impl TemplateRecord {
             source,
             status,
             size_bytes: 0,
-            created_at_ms: crate::sandboxes::now_ms(),
+            created_at_ms: crate::clock::now_ms(),
             error: None,
             root: None,
             layers: Vec::new(),

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod api;
 pub mod audit;
+pub mod clock;
 pub mod code;
 pub mod config;
 pub mod db;
@@ -14,6 +15,7 @@ pub mod e2b;
 pub mod error;
 pub mod extract;
 pub mod host;
+pub mod ids;
 pub mod layers;
 pub mod netlog;
 pub mod sandboxes;

@@ -15,10 +15,10 @@ use rusqlite::{params, params_from_iter};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::audit::{Audit, NewEntry, DAEMON};
+use crate::clock::rfc3339;
 use crate::db::Db;
 use crate::error::{ApiError, ApiResult};
 use crate::host::egress::Event;
-use crate::sandboxes::rfc3339;
 
 const QUEUE: usize = 4096;
 const BATCH: usize = 512;

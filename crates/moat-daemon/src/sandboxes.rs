@@ -5,20 +5,22 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use moat_api::{
     AgentConfig, CreateSandboxRequest, ErrorCode, Isolation, Sandbox, SandboxLimits, SandboxState,
     SandboxStats,
 };
-use rand::RngCore;
 use tokio::sync::RwLock;
 
 use crate::agent::AgentClient;
+use crate::clock::now_ms;
+use crate::clock::rfc3339;
 use crate::config::ServeArgs;
 use crate::db::{Claim, Db, SandboxRecord};
 use crate::error::{ApiError, ApiResult};
+use crate::ids::{new_access_token, new_sandbox_id, valid_sandbox_id};
 use crate::layers::LayerStore;
 use crate::template::store::TemplateStore;
 use crate::tier::container::MAX_SLOTS;
@@ -87,59 +89,6 @@ const MAX_PIDS: u64 = 4_194_304;
 const MIN_PIDS: u64 = 16;
 /// The idle clock is written at most this often per sandbox.
 const TOUCH_EVERY_MS: i64 = 1000;
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-pub fn rfc3339(ms: i64) -> String {
-    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_millis(t).to_string()
-}
-
-/// `sbx_` + 26 base32 characters of 128 random bits from the OS.
-pub fn new_sandbox_id() -> String {
-    let mut b = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut b);
-    format!("sbx_{}", base32(&b))
-}
-
-fn base32(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
-    let mut out = String::new();
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for &b in bytes {
-        acc = (acc << 8) | b as u32;
-        bits += 8;
-        while bits >= 5 {
-            bits -= 5;
-            out.push(ALPHABET[((acc >> bits) & 31) as usize] as char);
-        }
-    }
-    if bits > 0 {
-        out.push(ALPHABET[((acc << (5 - bits)) & 31) as usize] as char);
-    }
-    out
-}
-
-/// A sandbox's port access token: 160 random bits, base32.
-pub fn new_access_token() -> String {
-    let mut b = [0u8; 20];
-    rand::rngs::OsRng.fill_bytes(&mut b);
-    base32(&b)
-}
-
-/// Whether `s` looks like a sandbox id (so garbage never reaches the database or a path).
-pub fn valid_sandbox_id(s: &str) -> bool {
-    s.len() == 30
-        && s.starts_with("sbx_")
-        && s[4..]
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
-}
 
 fn to_api(r: &SandboxRecord) -> Sandbox {
     Sandbox {
@@ -292,6 +241,20 @@ impl Stack {
 /// starts it over its files.
 pub fn files_only(rec: &SandboxRecord) -> bool {
     rec.state == SandboxState::Paused && rec.tier_state.as_ref().is_none_or(|v| v.is_null())
+}
+
+/// A client of a sandbox's agent that dials through its tier.
+pub(crate) fn agent_client(
+    id: &str,
+    tier: &Arc<dyn IsolationTier>,
+    state: &serde_json::Value,
+) -> AgentClient {
+    let (tier, sid, state) = (tier.clone(), id.to_string(), state.clone());
+    let dial: crate::agent::Dial = Arc::new(move || {
+        let (tier, id, state) = (tier.clone(), sid.clone(), state.clone());
+        Box::pin(async move { tier.connect(&id, &state).await })
+    });
+    AgentClient::new(id, dial)
 }
 
 /// Filter of `GET /v1/sandboxes`.
@@ -881,7 +844,7 @@ impl Sandboxes {
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
         self.db
             .set_tier_state(&id, SandboxState::Starting, &state)?;
-        let agent = Arc::new(AgentClient::new(id.clone(), tier.clone(), state.clone()));
+        let agent = Arc::new(agent_client(&id, tier, &state));
         let t = std::time::Instant::now();
         agent.wait_ready(Duration::from_secs(20)).await?;
         tracing::debug!(sandbox = %id, took = ?t.elapsed(), "agent ready");
@@ -1094,7 +1057,7 @@ impl Sandboxes {
     /// The `oom_kill` count of a cgroup's `memory.events` inside the sandbox, read by its agent.
     async fn inner_oom_kills(&self, id: &str, path: &str) -> Option<u64> {
         let agent = self.agent_untouched(id).await.ok()?;
-        let text = tokio::time::timeout(Duration::from_secs(5), agent.read_text(path))
+        let text = tokio::time::timeout(Duration::from_secs(5), agent.read_text(path, 1 << 20))
             .await
             .ok()?
             .ok()?;
@@ -1170,7 +1133,7 @@ impl Sandboxes {
         let (Some(state), Ok(tier)) = (rec.tier_state.clone(), self.tier(rec.isolation)) else {
             return Err(ApiError::conflict(format!("sandbox {id} has no agent")));
         };
-        let agent = Arc::new(AgentClient::new(id.to_string(), tier, state));
+        let agent = Arc::new(agent_client(id, &tier, &state));
         self.agents
             .write()
             .await
@@ -1341,10 +1304,10 @@ impl Sandboxes {
                 _ => false,
             };
             if alive {
-                let agent = Arc::new(AgentClient::new(
-                    rec.id.clone(),
-                    tier.clone(),
-                    rec.tier_state.clone().unwrap_or_default(),
+                let agent = Arc::new(agent_client(
+                    &rec.id,
+                    &tier,
+                    &rec.tier_state.clone().unwrap_or_default(),
                 ));
                 if rec.state == SandboxState::Running {
                     // A crash during a snapshot can leave a running sandbox frozen.
@@ -1471,26 +1434,5 @@ mod tests {
         assert!(bad.to_string().contains("network.allow_out[0]"), "{bad}");
         assert!(default_network(&args(Some("{not json"))).is_err());
         assert!(default_network(&args(Some("@/nonexistent"))).is_err());
-    }
-
-    #[test]
-    fn ids_are_well_formed_and_distinct() {
-        let a = new_sandbox_id();
-        let b = new_sandbox_id();
-        assert_ne!(a, b);
-        assert!(valid_sandbox_id(&a), "{a}");
-        assert!(!valid_sandbox_id("sbx_../../etc"));
-        assert!(!valid_sandbox_id("sbx_ABCDEFGHIJKLMNOPQRSTUVWXYZ"));
-    }
-
-    #[test]
-    fn base32_known_values() {
-        assert_eq!(base32(b"f"), "my");
-        assert_eq!(base32(b"foobar"), "mzxw6ytboi");
-    }
-
-    #[test]
-    fn time_format() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
     }
 }

@@ -55,7 +55,7 @@ pub async fn for_sandbox(
     Path(id): Path<String>,
     req: Request,
 ) -> ApiResult<Response> {
-    if !crate::sandboxes::valid_sandbox_id(&id) {
+    if !crate::ids::valid_sandbox_id(&id) {
         return Err(ApiError::not_found(
             "id",
             format!("sandbox {id:?} not found"),

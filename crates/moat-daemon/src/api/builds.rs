@@ -71,7 +71,8 @@ pub(super) fn follow(
 ) -> ApiResult<Response> {
     let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(256);
     tokio::spawn(live.follow(tx));
-    let body = super::receiver_stream(rx).map(Ok::<_, std::convert::Infallible>);
+    let body =
+        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
     Response::builder()
         .header(http::header::CONTENT_TYPE, moat_api::NDJSON)
         .body(axum::body::Body::from_stream(body))

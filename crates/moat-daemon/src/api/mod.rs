@@ -223,21 +223,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Checks the API key, then records the request in the audit log once the response head is known
-/// (bodies are never buffered: streams keep streaming).
-/// The items of a channel as a stream (response bodies fed by a task).
-pub(crate) fn receiver_stream<T: Send + 'static>(
-    mut rx: tokio::sync::mpsc::Receiver<T>,
-) -> impl futures::Stream<Item = T> {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
-}
-
 /// An `application/x-ndjson` response with one JSON line per item a task sends on `rx`.
 pub(crate) fn ndjson_response<T: serde::Serialize + Send + 'static>(
     rx: tokio::sync::mpsc::Receiver<T>,
 ) -> Result<Response, ApiError> {
     use futures::StreamExt;
-    let lines = receiver_stream(rx).map(|item| {
+    let lines = tokio_stream::wrappers::ReceiverStream::new(rx).map(|item| {
         let mut line = serde_json::to_vec(&item).unwrap_or_default();
         line.push(b'\n');
         Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line))
@@ -256,8 +247,10 @@ fn api_key_given(h: &http::HeaderMap) -> Option<&str> {
         .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
 }
 
+/// Checks the API key, then records the request in the audit log once the response head is known
+/// (bodies are never buffered: streams keep streaming).
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
-    let at_ms = crate::sandboxes::now_ms();
+    let at_ms = crate::clock::now_ms();
     let template = req
         .extensions()
         .get::<MatchedPath>()

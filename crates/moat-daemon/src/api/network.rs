@@ -16,7 +16,7 @@ fn parse_query(req: &Request) -> ApiResult<NetworkLogQuery> {
 }
 
 fn check_id(id: &str) -> ApiResult<()> {
-    if crate::sandboxes::valid_sandbox_id(id) {
+    if crate::ids::valid_sandbox_id(id) {
         Ok(())
     } else {
         Err(ApiError::not_found(

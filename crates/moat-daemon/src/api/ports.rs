@@ -33,7 +33,7 @@ fn host_target(headers: &HeaderMap) -> Option<(u16, String)> {
     let first = host.split('.').next()?;
     let (port, id) = first.split_once('-')?;
     let port: u16 = port.parse().ok()?;
-    (port > 0 && crate::sandboxes::valid_sandbox_id(id)).then(|| (port, id.to_string()))
+    (port > 0 && crate::ids::valid_sandbox_id(id)).then(|| (port, id.to_string()))
 }
 
 /// Middleware on the whole router: a request whose Host names a sandbox port is relayed, whatever its
@@ -262,7 +262,7 @@ mod tests {
     #[test]
     fn host_names() {
         let mut h = HeaderMap::new();
-        let id = crate::sandboxes::new_sandbox_id();
+        let id = crate::ids::new_sandbox_id();
         h.insert(
             header::HOST,
             format!("8080-{id}.preview.example:6628").parse().unwrap(),

@@ -9,40 +9,48 @@ use axum::response::Response;
 use moat_api::*;
 use serde::de::DeserializeOwned;
 
+use moat_api::protocol::{endpoint, Call, Endpoint, Payload};
+
 use super::St;
-use crate::error::{ApiError, ApiResult};
+use crate::error::{from_serde_path, ApiError, ApiResult};
 use crate::extract::{parse_json, read_limited, MAX_JSON_BODY};
 
-/// The agent's path for a request to `/v1/sandboxes/{id}/<rest>`: `/<rest>` with the query.
-fn agent_path(req: &Request, id: &str) -> String {
-    let pq = req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("");
-    let prefix = format!("/v1/sandboxes/{id}");
-    pq.strip_prefix(&prefix).unwrap_or(pq).to_string()
-}
-
-async fn forward(st: &St, id: &str, req: Request, body: Option<Body>) -> ApiResult<Response> {
-    let agent = st.sandboxes.agent(id).await?;
-    forward_to(&agent, id, req, body).await
-}
-
-async fn forward_to(
-    agent: &crate::agent::AgentClient,
+/// Forwards a request of endpoint `E` to the sandbox's agent: the process selector and the query
+/// are checked first (400 naming the field), then the sandbox (404/409), then a JSON body (400
+/// naming the field, 413 when too big). The body streams through unchanged otherwise, and so does
+/// the agent's answer, whatever its status.
+async fn forward<E: Endpoint>(
+    st: &St,
     id: &str,
+    process: Option<&str>,
     req: Request,
-    body: Option<Body>,
 ) -> ApiResult<Response> {
-    let path = agent_path(&req, id);
-    let method = req.method().clone();
-    let ct = req
-        .headers()
+    let sel = process.map(check_selector).transpose()?;
+    let query: E::Query = check_query(&req)?;
+    let agent = st.sandboxes.agent(id).await?;
+    let call = Call::new::<E>(sel.as_ref(), &query).map_err(ApiError::internal)?;
+    let (parts, body) = req.into_parts();
+    let ct = parts
+        .headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let body = body.unwrap_or_else(|| req.into_body());
+    let body = match E::ROUTE.spec().request {
+        Payload::Json(_) => {
+            let bytes = read_limited(
+                body,
+                MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed),
+            )
+            .await?;
+            parse_json::<E::Body>(&bytes)?;
+            Body::from(bytes)
+        }
+        _ => body,
+    };
     let resp = agent
-        .send(method, &path, ct.as_deref(), body)
+        .send(&call, ct.as_deref(), body)
         .await
-        .map_err(|e| ApiError::internal(format!("sandbox {id}: agent unreachable: {e:#}")))?;
+        .map_err(|e| ApiError::internal(format!("sandbox {id}: {e}")))?;
     let (parts, incoming) = resp.into_parts();
     let mut out = Response::builder().status(parts.status);
     for h in [http::header::CONTENT_TYPE, http::header::CONTENT_LENGTH] {
@@ -53,34 +61,15 @@ async fn forward_to(
     out.body(Body::new(incoming)).map_err(ApiError::internal)
 }
 
-/// Forwards a JSON request after checking it parses as `T` (400 naming the field, 413 when too big).
-async fn forward_json<T: DeserializeOwned>(st: &St, id: &str, req: Request) -> ApiResult<Response> {
-    // The sandbox is checked first: an unknown one is a 404 whatever the body says.
-    let agent = st.sandboxes.agent(id).await?;
-    let (parts, body) = req.into_parts();
-    let bytes = read_limited(
-        body,
-        MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed),
-    )
-    .await?;
-    parse_json::<T>(&bytes)?;
-    let req = Request::from_parts(parts, Body::empty());
-    forward_to(&agent, id, req, Some(Body::from(bytes))).await
-}
-
-/// Checks a query string parses as `T` before forwarding.
-fn check_query<T: DeserializeOwned>(req: &Request) -> ApiResult<()> {
+/// A query string parsed as `T` (400 naming the field).
+fn check_query<T: DeserializeOwned>(req: &Request) -> ApiResult<T> {
     let q = req.uri().query().unwrap_or("");
     let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(q.as_bytes()));
-    serde_path_to_error::deserialize::<_, T>(de)
-        .map(|_| ())
-        .map_err(|e| crate::error::from_serde_path(e, "query"))
+    serde_path_to_error::deserialize::<_, T>(de).map_err(|e| from_serde_path(e, "query"))
 }
 
-fn check_selector(sel: &str) -> ApiResult<()> {
-    ProcessSelector::parse(sel)
-        .map(|_| ())
-        .map_err(|m| ApiError::invalid("process", m))
+fn check_selector(sel: &str) -> ApiResult<ProcessSelector> {
+    ProcessSelector::parse(sel).map_err(|m| ApiError::invalid("process", m))
 }
 
 /// Start a process. Streams its events as NDJSON unless `background` is set.
@@ -90,14 +79,14 @@ fn check_selector(sel: &str) -> ApiResult<()> {
               (status = 201, description = "background process started", body = ProcessInfo),
               (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn start_process(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    forward_json::<StartProcessRequest>(&st, &id, req).await
+    forward::<endpoint::StartProcess>(&st, &id, None, req).await
 }
 
 /// Running processes and the most recent exited ones.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/processes", tag = "processes", params(("id" = String, Path)),
     responses((status = 200, body = ProcessList), (status = 404, body = ErrorBody)))]
 pub async fn list_processes(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ListProcesses>(&st, &id, None, req).await
 }
 
 /// Re-attach to a process: its kept output (unless `replay=false`), then live output, then its exit.
@@ -109,9 +98,7 @@ pub async fn process_events(
     Path((id, process)): Path<(String, String)>,
     req: Request,
 ) -> ApiResult<Response> {
-    check_selector(&process)?;
-    check_query::<AttachQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ProcessEvents>(&st, &id, Some(&process), req).await
 }
 
 /// Write the request body to the process's stdin (streamed; it may stay open as long as needed).
@@ -124,8 +111,7 @@ pub async fn process_stdin(
     Path((id, process)): Path<(String, String)>,
     req: Request,
 ) -> ApiResult<Response> {
-    check_selector(&process)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ProcessStdin>(&st, &id, Some(&process), req).await
 }
 
 /// Close the process's stdin (EOF).
@@ -137,8 +123,7 @@ pub async fn process_close_stdin(
     Path((id, process)): Path<(String, String)>,
     req: Request,
 ) -> ApiResult<Response> {
-    check_selector(&process)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ProcessCloseStdin>(&st, &id, Some(&process), req).await
 }
 
 /// Send a signal to the process's group.
@@ -150,8 +135,7 @@ pub async fn process_signal(
     Path((id, process)): Path<(String, String)>,
     req: Request,
 ) -> ApiResult<Response> {
-    check_selector(&process)?;
-    forward_json::<SignalRequest>(&st, &id, req).await
+    forward::<endpoint::ProcessSignal>(&st, &id, Some(&process), req).await
 }
 
 /// Resize the process's PTY.
@@ -163,16 +147,14 @@ pub async fn process_resize(
     Path((id, process)): Path<(String, String)>,
     req: Request,
 ) -> ApiResult<Response> {
-    check_selector(&process)?;
-    forward_json::<PtySize>(&st, &id, req).await
+    forward::<endpoint::ProcessResize>(&st, &id, Some(&process), req).await
 }
 
 /// Download a file (streamed).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", tag = "files", params(("id" = String, Path), PathQuery),
     responses((status = 200, content_type = "application/octet-stream", body = Vec<u8>), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn read_file(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<PathQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ReadFile>(&st, &id, None, req).await
 }
 
 /// Upload a file (streamed, any size); it replaces the target atomically.
@@ -180,62 +162,56 @@ pub async fn read_file(st: St, Path(id): Path<String>, req: Request) -> ApiResul
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = EntryInfo), (status = 400, body = ErrorBody)))]
 pub async fn write_file(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<WriteQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::WriteFile>(&st, &id, None, req).await
 }
 
 /// Describe a path (not following a final symlink).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/fs/stat", tag = "files", params(("id" = String, Path), PathQuery),
     responses((status = 200, body = EntryInfo), (status = 404, body = ErrorBody)))]
 pub async fn stat(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<PathQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::Stat>(&st, &id, None, req).await
 }
 
 /// Whether a path exists.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/fs/exists", tag = "files", params(("id" = String, Path), PathQuery),
     responses((status = 200, body = ExistsResponse)))]
 pub async fn exists(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<PathQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::Exists>(&st, &id, None, req).await
 }
 
 /// List a directory, to `depth` levels.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/fs/list", tag = "files", params(("id" = String, Path), ListQuery),
     responses((status = 200, body = DirListing), (status = 404, body = ErrorBody)))]
 pub async fn list_dir(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<ListQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::ListDir>(&st, &id, None, req).await
 }
 
 /// Create a directory and its parents.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fs/mkdir", tag = "files", params(("id" = String, Path)),
     request_body = MkdirRequest, responses((status = 200, body = MkdirResponse), (status = 409, body = ErrorBody)))]
 pub async fn mkdir(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    forward_json::<MkdirRequest>(&st, &id, req).await
+    forward::<endpoint::Mkdir>(&st, &id, None, req).await
 }
 
 /// Rename or move a path.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fs/rename", tag = "files", params(("id" = String, Path)),
     request_body = RenameRequest, responses((status = 200, body = EntryInfo), (status = 404, body = ErrorBody)))]
 pub async fn rename(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    forward_json::<RenameRequest>(&st, &id, req).await
+    forward::<endpoint::Rename>(&st, &id, None, req).await
 }
 
 /// Remove a file or directory (`recursive` for a non-empty one).
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/fs", tag = "files", params(("id" = String, Path), RemoveQuery),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn remove(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<RemoveQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::Remove>(&st, &id, None, req).await
 }
 
 /// Download a directory (or file) as a tar stream.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/fs/tar", tag = "files", params(("id" = String, Path), PathQuery),
     responses((status = 200, content_type = "application/x-tar", body = Vec<u8>), (status = 404, body = ErrorBody)))]
 pub async fn download_tar(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<PathQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::DownloadTar>(&st, &id, None, req).await
 }
 
 /// Unpack a tar stream into a directory.
@@ -243,14 +219,12 @@ pub async fn download_tar(st: St, Path(id): Path<String>, req: Request) -> ApiRe
     request_body(content = Vec<u8>, content_type = "application/x-tar"),
     responses((status = 204), (status = 400, body = ErrorBody)))]
 pub async fn upload_tar(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<PathQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::UploadTar>(&st, &id, None, req).await
 }
 
 /// Watch a directory: inotify events as NDJSON until the client disconnects.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/fs/watch", tag = "files", params(("id" = String, Path), WatchQuery),
     responses((status = 200, content_type = "application/x-ndjson", body = FsEvent), (status = 404, body = ErrorBody)))]
 pub async fn watch(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
-    check_query::<WatchQuery>(&req)?;
-    forward(&st, &id, req, None).await
+    forward::<endpoint::Watch>(&st, &id, None, req).await
 }

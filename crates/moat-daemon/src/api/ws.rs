@@ -14,12 +14,13 @@ use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use moat_api::{ProcessEvent, ProcessSelector};
+use moat_api::{ProcessEvent, ProcessSelector, PtySize};
 use serde::Deserialize;
 use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 
 use super::St;
-use crate::agent::{chunk_bytes, AgentClient, ProcessEventLines};
+use crate::agent::{chunk_bytes, AgentClient, AgentError, ProcessEventLines};
 use crate::error::{ApiError, ApiResult};
 
 #[derive(Deserialize)]
@@ -42,35 +43,25 @@ pub async fn process_ws(
 ) -> ApiResult<Response> {
     let sel = ProcessSelector::parse(&process).map_err(|m| ApiError::invalid("process", m))?;
     let agent = st.sandboxes.agent(&id).await?;
-    let resp = agent
-        .send(
-            http::Method::GET,
-            &format!("/processes/{sel}/events?replay=true"),
-            None,
-            Body::empty(),
-        )
-        .await
-        .map_err(|e| ApiError::internal(format!("sandbox {id}: agent unreachable: {e:#}")))?;
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .unwrap_or_default();
-        return Response::builder()
-            .status(status)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Body::from(bytes))
-            .map_err(ApiError::internal);
-    }
+    let resp = match agent.events(&sel, true).await {
+        Ok(r) => r,
+        Err(AgentError::Refused { status, body }) => {
+            return Ok((status, axum::Json(body)).into_response());
+        }
+        Err(e) => return Err(ApiError::internal(format!("sandbox {id}: {e}"))),
+    };
     let events = resp.into_body();
     Ok(ws
-        .on_upgrade(move |socket| bridge(socket, agent, sel.to_string(), events))
+        .on_upgrade(move |socket| bridge(socket, agent, sel, events))
         .into_response())
 }
 
-async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events: Incoming) {
+async fn bridge(
+    socket: WebSocket,
+    agent: Arc<AgentClient>,
+    sel: ProcessSelector,
+    events: Incoming,
+) {
     let (mut sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(16);
 
@@ -124,11 +115,10 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
                     Some(Ok(Message::Binary(b))) => {
                         if stdin_tx.is_none() {
                             let (tx, rx) = mpsc::channel(16);
-                            let body = Body::new(http_body_util::StreamBody::new(super::receiver_stream(rx)));
-                            let agent = agent.clone();
-                            let path = format!("/processes/{sel}/stdin");
+                            let body = Body::new(http_body_util::StreamBody::new(ReceiverStream::new(rx)));
+                            let (agent, sel) = (agent.clone(), sel.clone());
                             tokio::spawn(async move {
-                                let _ = agent.send(http::Method::POST, &path, Some("application/octet-stream"), body).await;
+                                let _ = agent.stdin(&sel, body).await;
                             });
                             stdin_tx = Some(tx);
                         }
@@ -137,12 +127,12 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
                         }
                     }
                     Some(Ok(Message::Text(t))) => {
-                        let (path, body) = match serde_json::from_str::<Control>(&t) {
-                            Ok(Control::Resize { cols, rows }) => ("resize", serde_json::json!({"cols": cols, "rows": rows})),
-                            Ok(Control::Signal { signal }) => ("signal", serde_json::json!({"signal": signal})),
+                        let done = match serde_json::from_str::<Control>(&t) {
+                            Ok(Control::Resize { cols, rows }) => agent.resize(&sel, PtySize { cols, rows }).await,
+                            Ok(Control::Signal { signal }) => agent.signal(&sel, &signal).await,
                             Ok(Control::CloseStdin) => {
                                 stdin_tx = None;
-                                ("close-stdin", serde_json::Value::Null)
+                                agent.close_stdin(&sel).await
                             }
                             Err(e) => {
                                 let err = serde_json::json!({"type": "error", "message": format!("bad control message: {e}")});
@@ -150,10 +140,9 @@ async fn bridge(socket: WebSocket, agent: Arc<AgentClient>, sel: String, events:
                                 continue;
                             }
                         };
-                        let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
-                        let _ = agent
-                            .send(http::Method::POST, &format!("/processes/{sel}/{path}"), Some("application/json"), body)
-                            .await;
+                        if let Err(e) = done {
+                            tracing::debug!(sandbox = %agent.id(), "control message: {e}");
+                        }
                     }
                     Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
                     Some(Ok(_)) => {}

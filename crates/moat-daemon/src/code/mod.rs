@@ -20,15 +20,15 @@ use std::sync::{Arc, LazyLock, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http_body_util::BodyExt;
 use moat_api::{
-    CodeContext, CodeError, CodeEvent, CodeLanguage, CodeResult, ErrorBody, ProcessEvent,
-    ProcessInfo, ProcessList, RunCodeRequest, StartProcessRequest,
+    CodeContext, CodeError, CodeEvent, CodeLanguage, CodeResult, ProcessEvent, ProcessInfo,
+    ProcessList, ProcessSelector, RunCodeRequest, StartProcessRequest, WriteQuery,
 };
 use tokio::sync::mpsc;
 
-use crate::agent::AgentClient;
+use crate::agent::{AgentClient, AgentError};
 use crate::error::{ApiError, ApiResult};
 
 pub const KERNEL_PY: &str = include_str!("kernel.py");
@@ -69,34 +69,12 @@ fn forget_lock(sandbox: &str, ctx: &str) {
     m.remove(&(sandbox.to_string(), ctx.to_string()));
 }
 
-fn agent_err(e: anyhow::Error) -> ApiError {
-    ApiError::internal(format!("agent unreachable: {e:#}"))
+fn agent_err(e: AgentError) -> ApiError {
+    ApiError::internal(format!("{e}"))
 }
 
-/// Sends a request to the agent and reads its whole (small) answer.
-async fn call(
-    agent: &AgentClient,
-    method: http::Method,
-    path: &str,
-    ct: Option<&str>,
-    body: Body,
-) -> ApiResult<(http::StatusCode, Bytes)> {
-    let resp = agent
-        .send(method, path, ct, body)
-        .await
-        .map_err(agent_err)?;
-    let status = resp.status();
-    let bytes = http_body_util::Limited::new(resp.into_body(), 4 << 20)
-        .collect()
-        .await
-        .map_err(|e| ApiError::internal(format!("read agent answer: {e}")))?
-        .to_bytes();
-    Ok((status, bytes))
-}
-
-/// The agent's error body, if it sent one.
-fn agent_error(bytes: &[u8]) -> Option<ErrorBody> {
-    serde_json::from_slice(bytes).ok()
+fn kernel(ctx: &str) -> ProcessSelector {
+    ProcessSelector::Tag(tag(ctx))
 }
 
 fn language_of(info: &ProcessInfo) -> CodeLanguage {
@@ -111,7 +89,7 @@ fn language_of(info: &ProcessInfo) -> CodeLanguage {
 
 /// The sandbox's code contexts: its running kernels, by tag.
 pub async fn list(agent: &AgentClient) -> ApiResult<Vec<CodeContext>> {
-    let procs: ProcessList = agent.get_json("/processes").await.map_err(agent_err)?;
+    let procs: ProcessList = agent.processes().await.map_err(agent_err)?;
     let mut out: Vec<CodeContext> = procs
         .processes
         .iter()
@@ -142,24 +120,16 @@ pub async fn get(agent: &AgentClient, ctx: &str, field: &str) -> ApiResult<CodeC
 }
 
 async fn put_file(agent: &AgentClient, path: &str, content: Vec<u8>) -> ApiResult<()> {
-    let q: String = form_urlencoded::Serializer::new(String::new())
-        .append_pair("path", path)
-        .finish();
-    let (status, bytes) = call(
-        agent,
-        http::Method::PUT,
-        &format!("/files?{q}"),
-        Some("application/octet-stream"),
-        Body::from(content),
-    )
-    .await?;
-    if !status.is_success() {
-        return Err(ApiError::internal(format!(
-            "writing {path} in the sandbox failed ({status}): {}",
-            String::from_utf8_lossy(&bytes)
-        )));
-    }
-    Ok(())
+    let q = WriteQuery {
+        path: path.to_string(),
+        mode: None,
+        user: None,
+    };
+    agent
+        .write_file(&q, Body::from(content))
+        .await
+        .map(drop)
+        .map_err(|e| ApiError::internal(format!("writing {path} in the sandbox failed: {e}")))
 }
 
 /// Starts a kernel for context `id`. `cwd` is checked by the agent (400 naming `cwd`).
@@ -201,30 +171,20 @@ pub async fn start(
         tag: Some(tag(id)),
         ..Default::default()
     };
-    let body = serde_json::to_vec(&req).map_err(ApiError::internal)?;
-    let (status, bytes) = call(
-        agent,
-        http::Method::POST,
-        "/processes",
-        Some("application/json"),
-        Body::from(body),
-    )
-    .await?;
-    if status.is_success() {
-        let info: ProcessInfo = serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::internal(format!("agent's process info: {e}")))?;
-        return Ok(CodeContext {
-            id: id.to_string(),
-            language: lang,
-            cwd: info.cwd,
-        });
-    }
-    let err = agent_error(&bytes);
-    let field = err.as_ref().and_then(|e| e.error.field.clone());
-    let message = err
-        .map(|e| e.error.message)
-        .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-    match (status.as_u16(), field.as_deref()) {
+    let refusal = match agent.start_background(&req).await {
+        Ok(info) => {
+            return Ok(CodeContext {
+                id: id.to_string(),
+                language: lang,
+                cwd: info.cwd,
+            })
+        }
+        Err(AgentError::Refused { status, body }) => (status, body),
+        Err(e) => return Err(agent_err(e)),
+    };
+    let (status, body) = refusal;
+    let message = body.error.message;
+    match (status.as_u16(), body.error.field.as_deref()) {
         (400, Some("cwd")) => Err(ApiError::invalid("cwd", message)),
         (400, Some("cmd")) => Err(ApiError::invalid(
             "language",
@@ -249,44 +209,23 @@ async fn has_program(agent: &AgentClient, program: &str) -> ApiResult<bool> {
         ]),
         ..Default::default()
     };
-    let body = serde_json::to_vec(&req).map_err(ApiError::internal)?;
-    let (status, bytes) = call(
-        agent,
-        http::Method::POST,
-        "/processes",
-        Some("application/json"),
-        Body::from(body),
-    )
-    .await?;
-    if !status.is_success() {
-        return Ok(false);
-    }
-    let ok = bytes.split(|b| *b == b'\n').any(|l| {
-        matches!(serde_json::from_slice::<ProcessEvent>(l),
-            Ok(ProcessEvent::Exit(e)) if e.exit_code == Some(0))
-    });
-    Ok(ok)
+    Ok(agent
+        .run_streamed(&req, |_| {})
+        .await
+        .is_ok_and(|e| e.exit_code == Some(0)))
 }
 
 /// Kills a context's kernel and waits until its tag is free.
 async fn kill(agent: &AgentClient, ctx: &str) -> ApiResult<()> {
-    let body = serde_json::to_vec(&moat_api::SignalRequest {
-        signal: "SIGKILL".into(),
-    })
-    .map_err(ApiError::internal)?;
-    let (status, bytes) = call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{}/signal", tag(ctx)),
-        Some("application/json"),
-        Body::from(body),
-    )
-    .await?;
-    if !status.is_success() && status.as_u16() != 409 && status.as_u16() != 404 {
-        return Err(ApiError::internal(format!(
-            "stopping code context {ctx} failed ({status}): {}",
-            String::from_utf8_lossy(&bytes)
-        )));
+    match agent.signal(&kernel(ctx), "SIGKILL").await {
+        Ok(()) => {}
+        // Gone already, or exited.
+        Err(e) if matches!(e.status().map(|s| s.as_u16()), Some(404 | 409)) => {}
+        Err(e) => {
+            return Err(ApiError::internal(format!(
+                "stopping code context {ctx} failed: {e}"
+            )))
+        }
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while find(agent, ctx).await?.is_some() {
@@ -602,18 +541,13 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
+/// Signals a context's kernel; a kernel that is gone is not an error here (the output stream
+/// says so).
 async fn signal(agent: &AgentClient, ctx: &str, sig: &str) -> ApiResult<()> {
-    let body = serde_json::to_vec(&moat_api::SignalRequest { signal: sig.into() })
-        .map_err(ApiError::internal)?;
-    call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{}/signal", tag(ctx)),
-        Some("application/json"),
-        Body::from(body),
-    )
-    .await
-    .map(drop)
+    match agent.signal(&kernel(ctx), sig).await {
+        Ok(()) | Err(AgentError::Refused { .. }) => Ok(()),
+        Err(e) => Err(agent_err(e)),
+    }
 }
 
 /// Sends the cell to the kernel and turns its output into events until the cell ends. Returns the
@@ -628,22 +562,16 @@ async fn execute(
 ) -> ApiResult<u64> {
     let exec_id = format!("{:016x}", rand::random::<u64>());
     // Attach first, so no output of this cell can come before we listen.
-    let resp = agent
-        .send(
-            http::Method::GET,
-            &format!("/processes/{}/events?replay=false", tag(&ctx.id)),
-            None,
-            Body::empty(),
-        )
-        .await
-        .map_err(agent_err)?;
-    if !resp.status().is_success() {
-        return Err(ApiError::internal(format!(
-            "the kernel of code context {} is gone ({})",
-            ctx.id,
-            resp.status()
-        )));
-    }
+    let resp = match agent.events(&kernel(&ctx.id), false).await {
+        Ok(r) => r,
+        Err(AgentError::Refused { status, .. }) => {
+            return Err(ApiError::internal(format!(
+                "the kernel of code context {} is gone ({status})",
+                ctx.id
+            )))
+        }
+        Err(e) => return Err(agent_err(e)),
+    };
     let mut body = resp.into_body();
 
     let (line, mut decoder) = match ctx.language {
@@ -683,20 +611,10 @@ async fn execute(
             )
         }
     };
-    let (status, bytes) = call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{}/stdin", tag(&ctx.id)),
-        Some("application/octet-stream"),
-        Body::from(line),
-    )
-    .await?;
-    if !status.is_success() {
-        return Err(ApiError::internal(format!(
-            "sending the cell to the kernel failed ({status}): {}",
-            String::from_utf8_lossy(&bytes)
-        )));
-    }
+    agent
+        .stdin(&kernel(&ctx.id), Body::from(line))
+        .await
+        .map_err(|e| ApiError::internal(format!("sending the cell to the kernel failed: {e}")))?;
 
     let mut deadline = tokio::time::Instant::now() + timeout;
     let mut interrupted = false;
@@ -732,7 +650,7 @@ async fn execute(
         };
         let evs = events
             .push(&chunk)
-            .map_err(|e| ApiError::internal(format!("{e:#}")))?;
+            .map_err(|e| ApiError::internal(e.to_string()))?;
         for ev in evs {
             let step = match ev {
                 ProcessEvent::Stdout(c) => decoder.stdout(&exec_id, &crate::agent::chunk_bytes(&c)),

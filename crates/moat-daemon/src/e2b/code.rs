@@ -193,7 +193,7 @@ async fn execute(e: &E2b, id: &str, agent: Arc<crate::agent::AgentClient>, body:
     Response::builder()
         .header(http::header::CONTENT_TYPE, "application/x-ndjson")
         .body(Body::from_stream(futures::StreamExt::map(
-            crate::api::receiver_stream(out_rx),
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
             Ok::<_, std::convert::Infallible>,
         )))
         .unwrap_or_else(|err| error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))
@@ -201,7 +201,7 @@ async fn execute(e: &E2b, id: &str, agent: Arc<crate::agent::AgentClient>, body:
 
 /// E2B's lines for one of moat's code events.
 fn lines(ev: &CodeEvent) -> Vec<Value> {
-    let now = crate::sandboxes::rfc3339(crate::sandboxes::now_ms());
+    let now = crate::clock::rfc3339(crate::clock::now_ms());
     match ev {
         CodeEvent::Stdout { data } => {
             vec![json!({"type": "stdout", "text": data, "timestamp": now})]

@@ -703,7 +703,7 @@ async fn metrics(e: &E2b, id: &str) -> Response {
         Ok(s) => s,
         Err(err) => return not_found_or(err, id),
     };
-    let now = crate::sandboxes::now_ms();
+    let now = crate::clock::now_ms();
     let cpus = st.limits.cpu.ceil().max(1.0);
     let disk_total = if st.limits.disk_mb > 0 {
         st.limits.disk_mb << 20
@@ -711,7 +711,7 @@ async fn metrics(e: &E2b, id: &str) -> Response {
         e.app.sandboxes.host_disk_mb() << 20
     };
     let m = json!([{
-        "timestamp": crate::sandboxes::rfc3339(now),
+        "timestamp": crate::clock::rfc3339(now),
         "timestampUnix": now / 1000,
         "cpuCount": cpus as i64,
         "cpuUsedPct": (st.cpu_cores / cpus * 1000.0).round() / 10.0,
@@ -819,8 +819,8 @@ fn list_templates(e: &E2b) -> Response {
                         "names": [t.name],
                         "public": false,
                         "buildStatus": serde_json::to_value(t.status).unwrap_or(Value::Null),
-                        "createdAt": crate::sandboxes::rfc3339(t.created_at_ms),
-                        "updatedAt": crate::sandboxes::rfc3339(t.created_at_ms),
+                        "createdAt": crate::clock::rfc3339(t.created_at_ms),
+                        "updatedAt": crate::clock::rfc3339(t.created_at_ms),
                         "diskSizeMB": t.size_bytes >> 20,
                         "envdVersion": ENVD_VERSION,
                     })

@@ -11,7 +11,10 @@ use base64::Engine;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 
+use moat_api::WriteQuery;
+
 use super::{E2b, User};
+use crate::agent::AgentError;
 use crate::api::constant_time_eq;
 
 /// envd's plain-HTTP error: `{"code": <status>, "message"}`.
@@ -196,7 +199,7 @@ fn signature_valid(query: Option<&str>, method: &http::Method, token: &str) -> b
         return false;
     }
     if q.signature_expiration
-        .is_some_and(|x| x < crate::sandboxes::now_ms() / 1000)
+        .is_some_and(|x| x < crate::clock::now_ms() / 1000)
     {
         return false;
     }
@@ -244,30 +247,11 @@ async fn download(agent: &crate::agent::AgentClient, user: &User, req: Request) 
         return http_error(StatusCode::BAD_REQUEST, "path is missing");
     };
     let path = user.resolve(&path);
-    let aq: String = form_urlencoded::Serializer::new(String::new())
-        .append_pair("path", &path)
-        .finish();
-    let resp = match agent
-        .send(
-            http::Method::GET,
-            &format!("/files?{aq}"),
-            None,
-            Body::empty(),
-        )
-        .await
-    {
+    let resp = match agent.read_file(&path).await {
         Ok(r) => r,
-        Err(err) => {
-            return http_error(
-                StatusCode::BAD_GATEWAY,
-                format!("agent unreachable: {err:#}"),
-            )
-        }
+        Err(err) => return agent_error_response(err),
     };
-    let status = resp.status();
-    if !status.is_success() {
-        return relay_error(resp).await;
-    }
+
     let name = path.rsplit('/').next().unwrap_or("").replace('"', "");
     let (parts, body) = resp.into_parts();
     let mut out = Response::builder()
@@ -284,18 +268,13 @@ async fn download(agent: &crate::agent::AgentClient, user: &User, req: Request) 
         .unwrap_or_else(|err| http_error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))
 }
 
-/// An agent's error answer as envd's (`{"code", "message"}`, the same status).
-async fn relay_error(resp: http::Response<hyper::body::Incoming>) -> Response {
-    use http_body_util::BodyExt;
-    let status = resp.status();
-    let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    let message = serde_json::from_slice::<moat_api::ErrorBody>(&bytes)
-        .map(|b| b.error.message)
-        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+/// An agent call's error as envd's answer (`{"code", "message"}`, the agent's status; 502 when it
+/// did not answer).
+fn agent_error_response(err: AgentError) -> Response {
+    let (status, message) = match err {
+        AgentError::Refused { status, body } => (status, body.error.message),
+        other => (StatusCode::BAD_GATEWAY, other.to_string()),
+    };
     let status = if message.contains("No space left") {
         StatusCode::INSUFFICIENT_STORAGE
     } else {
@@ -312,27 +291,15 @@ async fn write_one(
     body: Body,
 ) -> Result<serde_json::Value, Response> {
     let path = user.resolve(path);
-    let aq: String = form_urlencoded::Serializer::new(String::new())
-        .append_pair("path", &path)
-        .append_pair("user", &user.name)
-        .finish();
-    let resp = agent
-        .send(
-            http::Method::PUT,
-            &format!("/files?{aq}"),
-            Some("application/octet-stream"),
-            body,
-        )
+    let q = WriteQuery {
+        path: path.clone(),
+        mode: None,
+        user: Some(user.name.clone()),
+    };
+    agent
+        .write_file(&q, body)
         .await
-        .map_err(|err| {
-            http_error(
-                StatusCode::BAD_GATEWAY,
-                format!("agent unreachable: {err:#}"),
-            )
-        })?;
-    if !resp.status().is_success() {
-        return Err(relay_error(resp).await);
-    }
+        .map_err(agent_error_response)?;
     let name = path.rsplit('/').next().unwrap_or("").to_string();
     Ok(serde_json::json!({"name": name, "type": "file", "path": path}))
 }
@@ -409,7 +376,7 @@ async fn upload(agent: &crate::agent::AgentClient, user: &User, req: Request) ->
                     }
                 }
             };
-            let body = Body::from_stream(crate::api::receiver_stream(rx));
+            let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
             let (written_one, ()) = tokio::join!(write_one(agent, user, &dest, body), feed);
             match written_one {
                 Ok(v) => written.push(v),

@@ -15,7 +15,7 @@ use moat_e2b_proto::filesystem as pb;
 use tokio::sync::mpsc;
 
 use super::connect::{self, Code, ConnectError, ConnectResult, Envelopes};
-use super::process::{agent_call, agent_error};
+use super::process::agent_error;
 use super::{E2b, Ids, User};
 use crate::agent::AgentClient;
 
@@ -23,14 +23,6 @@ use crate::agent::AgentClient;
 const MAX_WATCHERS: usize = 64;
 /// Events a polled watcher holds between two polls (older ones are dropped).
 const MAX_PENDING: usize = 10_000;
-
-fn q(pairs: &[(&str, &str)]) -> String {
-    let mut s = form_urlencoded::Serializer::new(String::new());
-    for (k, v) in pairs {
-        s.append_pair(k, v);
-    }
-    s.finish()
-}
 
 /// envd's `EntryInfo` of one of the agent's (Go's `FileMode.String()` for `permissions`).
 pub(super) fn entry(e: &EntryInfo, ids: &Ids) -> pb::EntryInfo {
@@ -59,16 +51,7 @@ pub(super) fn entry(e: &EntryInfo, ids: &Ids) -> pb::EntryInfo {
 }
 
 async fn stat_of(agent: &AgentClient, path: &str) -> ConnectResult<EntryInfo> {
-    let b = agent_call(
-        agent,
-        http::Method::GET,
-        &format!("/fs/stat?{}", q(&[("path", path)])),
-        None,
-        Body::empty(),
-    )
-    .await?;
-    serde_json::from_slice(&b)
-        .map_err(|e| ConnectError::new(Code::Internal, format!("agent's entry: {e}")))
+    agent.stat(path).await.map_err(agent_error)
 }
 
 /// `/filesystem.Filesystem/{method}`.
@@ -100,21 +83,10 @@ pub(super) async fn handle(
         "ListDir" => {
             async {
                 let r: pb::ListDirRequest = connect::unary_request(body).await?;
-                let depth = r.depth.clamp(1, 32).to_string();
-                let b = agent_call(
-                    agent,
-                    http::Method::GET,
-                    &format!(
-                        "/fs/list?{}",
-                        q(&[("path", &user.resolve(&r.path)), ("depth", &depth)])
-                    ),
-                    None,
-                    Body::empty(),
-                )
-                .await?;
-                let list: DirListing = serde_json::from_slice(&b).map_err(|e| {
-                    ConnectError::new(Code::Internal, format!("agent's listing: {e}"))
-                })?;
+                let list: DirListing = agent
+                    .list_dir(&user.resolve(&r.path), r.depth.clamp(1, 32))
+                    .await
+                    .map_err(agent_error)?;
                 Ok(connect::unary_response(&pb::ListDirResponse {
                     entries: list.entries.iter().map(|x| entry(x, &ids)).collect(),
                 }))
@@ -125,23 +97,11 @@ pub(super) async fn handle(
             async {
                 let r: pb::MakeDirRequest = connect::unary_request(body).await?;
                 let path = user.resolve(&r.path);
-                let b = agent_call(
-                    agent,
-                    http::Method::POST,
-                    "/fs/mkdir",
-                    Some("application/json"),
-                    Body::from(
-                        serde_json::to_vec(&moat_api::MkdirRequest {
-                            path: path.clone(),
-                            user: Some(user.name.clone()),
-                        })
-                        .unwrap_or_default(),
-                    ),
-                )
-                .await?;
-                let made: MkdirResponse = serde_json::from_slice(&b).map_err(|e| {
-                    ConnectError::new(Code::Internal, format!("agent's answer: {e}"))
-                })?;
+                let req = moat_api::MkdirRequest {
+                    path: path.clone(),
+                    user: Some(user.name.clone()),
+                };
+                let made: MkdirResponse = agent.mkdir(&req).await.map_err(agent_error)?;
                 if !made.created {
                     return Err(ConnectError::new(
                         Code::AlreadyExists,
@@ -157,23 +117,10 @@ pub(super) async fn handle(
         "Move" => {
             async {
                 let r: pb::MoveRequest = connect::unary_request(body).await?;
-                let b = agent_call(
-                    agent,
-                    http::Method::POST,
-                    "/fs/rename",
-                    Some("application/json"),
-                    Body::from(
-                        serde_json::to_vec(&moat_api::RenameRequest {
-                            from: user.resolve(&r.source),
-                            to: user.resolve(&r.destination),
-                        })
-                        .unwrap_or_default(),
-                    ),
-                )
-                .await?;
-                let info: EntryInfo = serde_json::from_slice(&b).map_err(|e| {
-                    ConnectError::new(Code::Internal, format!("agent's entry: {e}"))
-                })?;
+                let info: EntryInfo = agent
+                    .rename(&user.resolve(&r.source), &user.resolve(&r.destination))
+                    .await
+                    .map_err(agent_error)?;
                 Ok(connect::unary_response(&pb::MoveResponse {
                     entry: Some(entry(&info, &ids)),
                 }))
@@ -184,14 +131,7 @@ pub(super) async fn handle(
             async {
                 let r: pb::RemoveRequest = connect::unary_request(body).await?;
                 let path = user.resolve(&r.path);
-                let done = agent_call(
-                    agent,
-                    http::Method::DELETE,
-                    &format!("/fs?{}", q(&[("path", &path), ("recursive", "true")])),
-                    None,
-                    Body::empty(),
-                )
-                .await;
+                let done = agent.remove(&path, true).await.map_err(agent_error);
                 match done {
                     // envd removes with RemoveAll: a missing path is no error.
                     Ok(_)
@@ -256,30 +196,7 @@ async fn agent_watch(
             format!("path {path} not a directory"),
         ));
     }
-    let resp = agent
-        .send(
-            http::Method::GET,
-            &format!(
-                "/fs/watch?{}",
-                q(&[
-                    ("path", path),
-                    ("recursive", if recursive { "true" } else { "false" })
-                ])
-            ),
-            None,
-            Body::empty(),
-        )
-        .await
-        .map_err(|e| ConnectError::new(Code::Unavailable, format!("agent unreachable: {e:#}")))?;
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        return Err(agent_error(status, &bytes));
-    }
+    let resp = agent.watch(path, recursive).await.map_err(agent_error)?;
     Ok(resp)
 }
 
@@ -384,7 +301,7 @@ async fn watch_dir(
             }
         }
     });
-    connect::stream_response(crate::api::receiver_stream(rx))
+    connect::stream_response(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 struct Watcher {

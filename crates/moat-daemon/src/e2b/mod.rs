@@ -62,7 +62,7 @@ impl E2b {
         self.app
             .audit
             .record(crate::audit::NewEntry {
-                at_ms: crate::sandboxes::now_ms(),
+                at_ms: crate::clock::now_ms(),
                 actor,
                 action,
                 sandbox_id: sandbox.map(str::to_string),
@@ -227,27 +227,8 @@ fn passwd_home(passwd: &str, name: &str) -> Option<String> {
 
 /// A small file of the sandbox, as text.
 async fn read_small_file(agent: &AgentClient, path: &str) -> Option<String> {
-    use http_body_util::BodyExt;
-    let q: String = form_urlencoded::Serializer::new(String::new())
-        .append_pair("path", path)
-        .finish();
-    let resp = agent
-        .send(
-            http::Method::GET,
-            &format!("/files?{q}"),
-            None,
-            axum::body::Body::empty(),
-        )
-        .await
-        .ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
-    let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
-        .collect()
-        .await
-        .ok()?
-        .to_bytes();
+    let resp = agent.read_file(path).await.ok()?;
+    let bytes = crate::agent::wire::read_all(resp, 1 << 20).await.ok()?;
     String::from_utf8(bytes.to_vec()).ok()
 }
 

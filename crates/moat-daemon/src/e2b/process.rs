@@ -8,43 +8,25 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use moat_api::{ExitStatus, ProcessEvent, ProcessInfo, ProcessList, PtySize, StartProcessRequest};
+use moat_api::{
+    ExitStatus, ProcessEvent, ProcessInfo, ProcessSelector, PtySize, StartProcessRequest,
+};
 use moat_e2b_proto::process as pb;
 use tokio::sync::mpsc;
 
 use super::connect::{self, Code, ConnectError, ConnectResult, Envelopes};
 use super::{E2b, User};
-use crate::agent::{AgentClient, ProcessEventLines};
+use crate::agent::{AgentClient, AgentError, ProcessEventLines};
 
-/// Calls the agent and reads its (small) answer; a refusal becomes the Connect error of its status.
-pub(super) async fn agent_call(
-    agent: &AgentClient,
-    method: http::Method,
-    path: &str,
-    ct: Option<&str>,
-    body: Body,
-) -> ConnectResult<Bytes> {
-    let resp = agent
-        .send(method, path, ct, body)
-        .await
-        .map_err(|e| ConnectError::new(Code::Unavailable, format!("agent unreachable: {e:#}")))?;
-    let status = resp.status();
-    let bytes = http_body_util::Limited::new(resp.into_body(), 16 << 20)
-        .collect()
-        .await
-        .map_err(|e| ConnectError::new(Code::Internal, format!("read the agent's answer: {e}")))?
-        .to_bytes();
-    if status.is_success() {
-        return Ok(bytes);
-    }
-    Err(agent_error(status, &bytes))
-}
-
-/// The Connect error for an agent's error answer.
-pub(super) fn agent_error(status: http::StatusCode, bytes: &[u8]) -> ConnectError {
-    let message = serde_json::from_slice::<moat_api::ErrorBody>(bytes)
-        .map(|b| b.error.message)
-        .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned());
+/// The Connect error for an agent call's error.
+pub(super) fn agent_error(e: AgentError) -> ConnectError {
+    let (status, message) = match e {
+        AgentError::Refused { status, body } => (status, body.error.message),
+        AgentError::Unreachable(_) => return ConnectError::new(Code::Unavailable, e.to_string()),
+        AgentError::BadAnswer(_) | AgentError::Call(_) => {
+            return ConnectError::new(Code::Internal, e.to_string())
+        }
+    };
     let code = match status.as_u16() {
         400 => Code::InvalidArgument,
         404 => Code::NotFound,
@@ -59,19 +41,15 @@ pub(super) fn agent_error(status: http::StatusCode, bytes: &[u8]) -> ConnectErro
     ConnectError::new(code, message)
 }
 
-fn json_body(v: &impl serde::Serialize) -> Body {
-    Body::from(serde_json::to_vec(v).unwrap_or_default())
-}
-
 /// The agent's selector of an E2B process selector.
-fn selector(s: Option<&pb::ProcessSelector>) -> ConnectResult<String> {
+fn selector(s: Option<&pb::ProcessSelector>) -> ConnectResult<ProcessSelector> {
     match s.and_then(|s| s.selector.as_ref()) {
-        Some(pb::process_selector::Selector::Pid(pid)) => Ok(pid.to_string()),
+        Some(pb::process_selector::Selector::Pid(pid)) => Ok(ProcessSelector::Pid(*pid)),
         Some(pb::process_selector::Selector::Tag(tag)) => {
             // moat's selectors tell pids from tags by digits: an all-digit tag cannot name one.
-            match moat_api::ProcessSelector::parse(tag) {
-                Ok(moat_api::ProcessSelector::Tag(_)) => Ok(tag.clone()),
-                Ok(moat_api::ProcessSelector::Pid(_)) => Err(ConnectError::new(
+            match ProcessSelector::parse(tag) {
+                Ok(sel @ ProcessSelector::Tag(_)) => Ok(sel),
+                Ok(ProcessSelector::Pid(_)) => Err(ConnectError::new(
                     Code::InvalidArgument,
                     format!("tag {tag:?} is all digits, which moat reads as a pid"),
                 )),
@@ -234,34 +212,16 @@ fn stream_events(
             }
         }
     });
-    connect::stream_response(crate::api::receiver_stream(rx))
+    connect::stream_response(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
 /// The agent's re-attach stream of process `sel`.
 async fn attach(
     agent: &AgentClient,
-    sel: &str,
+    sel: &ProcessSelector,
     replay: bool,
 ) -> ConnectResult<http::Response<hyper::body::Incoming>> {
-    let resp = agent
-        .send(
-            http::Method::GET,
-            &format!("/processes/{sel}/events?replay={replay}"),
-            None,
-            Body::empty(),
-        )
-        .await
-        .map_err(|e| ConnectError::new(Code::Unavailable, format!("agent unreachable: {e:#}")))?;
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let bytes = http_body_util::Limited::new(resp.into_body(), 1 << 20)
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        return Err(agent_error(status, &bytes));
-    }
-    Ok(resp)
+    agent.events(sel, replay).await.map_err(agent_error)
 }
 
 /// `/process.Process/{method}`.
@@ -350,23 +310,12 @@ async fn start(
         pty,
         background: true,
     };
-    let info: ProcessInfo = match agent_call(
-        agent,
-        http::Method::POST,
-        "/processes",
-        Some("application/json"),
-        json_body(&start),
-    )
-    .await
-    .and_then(|b| {
-        serde_json::from_slice(&b)
-            .map_err(|e| ConnectError::new(Code::Internal, format!("agent's process info: {e}")))
-    }) {
+    let info: ProcessInfo = match agent.start_background(&start).await {
         Ok(i) => i,
-        Err(err) => return connect::stream_error(err),
+        Err(err) => return connect::stream_error(agent_error(err)),
     };
     e.app.audit.watch(id);
-    match attach(agent, &info.pid.to_string(), true).await {
+    match attach(agent, &ProcessSelector::Pid(info.pid), true).await {
         Ok(resp) => stream_events(info.pid, resp, connect::keepalive(headers)),
         Err(err) => connect::stream_error(err),
     }
@@ -392,24 +341,24 @@ async fn connect_to(agent: &AgentClient, headers: &http::HeaderMap, body: Body) 
         Err(err) => return connect::stream_error(err),
     };
     // envd's connect streams from now on: what was written before is not replayed.
-    match attach(agent, &pid.to_string(), false).await {
+    match attach(agent, &ProcessSelector::Pid(pid), false).await {
         Ok(resp) => stream_events(pid, resp, connect::keepalive(headers)),
         Err(err) => connect::stream_error(err),
     }
 }
 
 /// The process `sel` names (a pid, or the tag of a running one).
-async fn find(agent: &AgentClient, sel: &str) -> ConnectResult<ProcessInfo> {
-    let list: ProcessList = serde_json::from_slice(
-        &agent_call(agent, http::Method::GET, "/processes", None, Body::empty()).await?,
-    )
-    .map_err(|e| ConnectError::new(Code::Internal, format!("agent's process list: {e}")))?;
-    let by_pid = sel.parse::<u32>().ok();
+async fn find(agent: &AgentClient, sel: &ProcessSelector) -> ConnectResult<ProcessInfo> {
+    let list = agent.processes().await.map_err(agent_error)?;
+    let by_pid = match sel {
+        ProcessSelector::Pid(pid) => Some(*pid),
+        ProcessSelector::Tag(_) => None,
+    };
     list.processes
         .into_iter()
-        .find(|p| match by_pid {
-            Some(pid) => p.pid == pid,
-            None => p.running && p.tag.as_deref() == Some(sel),
+        .find(|p| match sel {
+            ProcessSelector::Pid(pid) => p.pid == *pid,
+            ProcessSelector::Tag(tag) => p.running && p.tag.as_ref() == Some(tag),
         })
         .ok_or_else(|| {
             ConnectError::new(
@@ -423,10 +372,7 @@ async fn find(agent: &AgentClient, sel: &str) -> ConnectResult<ProcessInfo> {
 }
 
 async fn list(agent: &AgentClient) -> ConnectResult<Response> {
-    let list: ProcessList = serde_json::from_slice(
-        &agent_call(agent, http::Method::GET, "/processes", None, Body::empty()).await?,
-    )
-    .map_err(|e| ConnectError::new(Code::Internal, format!("agent's process list: {e}")))?;
+    let list = agent.processes().await.map_err(agent_error)?;
     let processes = list
         .processes
         .into_iter()
@@ -451,22 +397,17 @@ async fn list(agent: &AgentClient) -> ConnectResult<Response> {
 /// Writes input bytes to a process's stdin (or its PTY).
 async fn write_input(
     agent: &AgentClient,
-    sel: &str,
+    sel: &ProcessSelector,
     input: Option<pb::ProcessInput>,
 ) -> ConnectResult<()> {
     let bytes = match input.and_then(|i| i.input) {
         Some(pb::process_input::Input::Stdin(b)) | Some(pb::process_input::Input::Pty(b)) => b,
         None => return Err(ConnectError::new(Code::InvalidArgument, "input is missing")),
     };
-    agent_call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{sel}/stdin"),
-        Some("application/octet-stream"),
-        Body::from(bytes),
-    )
-    .await
-    .map(drop)
+    agent
+        .stdin(sel, Body::from(bytes))
+        .await
+        .map_err(agent_error)
 }
 
 async fn send_input(agent: &AgentClient, body: Body) -> ConnectResult<Response> {
@@ -480,7 +421,7 @@ async fn send_input(agent: &AgentClient, body: Body) -> ConnectResult<Response> 
 async fn stream_input(agent: &AgentClient, body: Body) -> Response {
     let result = async {
         let mut env = Envelopes::new(body);
-        let mut sel: Option<String> = None;
+        let mut sel: Option<ProcessSelector> = None;
         while let Some(msg) = env.next::<pb::StreamInputRequest>().await? {
             use pb::stream_input_request::Event;
             match msg.event {
@@ -523,30 +464,14 @@ async fn send_signal(agent: &AgentClient, body: Body) -> ConnectResult<Response>
             ))
         }
     };
-    agent_call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{sel}/signal"),
-        Some("application/json"),
-        json_body(&moat_api::SignalRequest {
-            signal: signal.into(),
-        }),
-    )
-    .await?;
+    agent.signal(&sel, signal).await.map_err(agent_error)?;
     Ok(connect::unary_response(&pb::SendSignalResponse {}))
 }
 
 async fn close_stdin(agent: &AgentClient, body: Body) -> ConnectResult<Response> {
     let req: pb::CloseStdinRequest = connect::unary_request(body).await?;
     let sel = selector(req.process.as_ref())?;
-    agent_call(
-        agent,
-        http::Method::POST,
-        &format!("/processes/{sel}/close-stdin"),
-        None,
-        Body::empty(),
-    )
-    .await?;
+    agent.close_stdin(&sel).await.map_err(agent_error)?;
     Ok(connect::unary_response(&pb::CloseStdinResponse {}))
 }
 
@@ -558,14 +483,7 @@ async fn update(agent: &AgentClient, body: Body) -> ConnectResult<Response> {
             cols: size.cols.clamp(1, u16::MAX as u32) as u16,
             rows: size.rows.clamp(1, u16::MAX as u32) as u16,
         };
-        agent_call(
-            agent,
-            http::Method::POST,
-            &format!("/processes/{sel}/resize"),
-            Some("application/json"),
-            json_body(&size),
-        )
-        .await?;
+        agent.resize(&sel, size).await.map_err(agent_error)?;
     }
     Ok(connect::unary_response(&pb::UpdateResponse {}))
 }
@@ -604,7 +522,7 @@ mod tests {
         let pid = pb::ProcessSelector {
             selector: Some(pb::process_selector::Selector::Pid(7)),
         };
-        assert_eq!(selector(Some(&pid)).unwrap(), "7");
+        assert_eq!(selector(Some(&pid)).unwrap(), ProcessSelector::Pid(7));
         let tag = pb::ProcessSelector {
             selector: Some(pb::process_selector::Selector::Tag("123".into())),
         };

@@ -37,13 +37,6 @@ pub const MAX_LAYERS: usize = 48;
 /// Most sandboxes one fork call starts.
 pub const MAX_FORKS: u32 = 100;
 
-/// `snap_` + 26 base32 characters of 128 random bits.
-fn new_snapshot_id() -> String {
-    let mut b = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut b);
-    format!("snap_{}", base32(&b))
-}
-
 fn snapshot_to_api(r: &SnapshotRecord) -> Snapshot {
     Snapshot {
         id: r.id.clone(),
@@ -270,7 +263,7 @@ impl Sandboxes {
                 rec.state.as_str()
             )));
         };
-        let snap_id = new_snapshot_id();
+        let snap_id = crate::ids::new_id("snap");
         let full = req.kind == Some(SnapshotKind::Full);
         let scratch = self.layers.scratch()?;
         let (frozen, image) = if full {
@@ -655,13 +648,11 @@ impl Sandboxes {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn snapshot_ids_are_well_formed() {
-        let a = new_snapshot_id();
+        let a = crate::ids::new_id("snap");
         assert!(a.starts_with("snap_") && a.len() == 31, "{a}");
-        assert_ne!(a, new_snapshot_id());
+        assert_ne!(a, crate::ids::new_id("snap"));
         assert!(moat_api::validate_snapshot_name(&a).is_err());
     }
 

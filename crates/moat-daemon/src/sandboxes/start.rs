@@ -29,9 +29,9 @@ pub async fn run(agent: &AgentClient, start: &StartSpec) -> Result<()> {
         ..Default::default()
     };
     let info: ProcessInfo = agent
-        .post_json("/processes", &req)
+        .start_background(&req)
         .await
-        .map_err(|e| anyhow::anyhow!("the start command {:?} did not start: {e:#}", start.cmd))?;
+        .map_err(|e| anyhow::anyhow!("the start command {:?} did not start: {e}", start.cmd))?;
     let Some(check) = &start.ready else {
         return Ok(());
     };
@@ -40,7 +40,7 @@ pub async fn run(agent: &AgentClient, start: &StartSpec) -> Result<()> {
         if is_ready(agent, check).await {
             return Ok(());
         }
-        let procs: ProcessList = agent.get_json("/processes").await?;
+        let procs: ProcessList = agent.processes().await?;
         if let Some(p) = procs
             .processes
             .iter()
@@ -88,15 +88,7 @@ async fn is_ready(agent: &AgentClient, check: &ReadyCheck) -> bool {
     match check {
         // The agent connects to the port inside the sandbox and answers an error when nothing listens.
         ReadyCheck::Port(p) => agent.tcp_tunnel(*p).await.is_ok(),
-        ReadyCheck::File(f) => {
-            let q: String = form_urlencoded::Serializer::new(String::new())
-                .append_pair("path", f)
-                .finish();
-            agent
-                .get_json::<moat_api::ExistsResponse>(&format!("/fs/exists?{q}"))
-                .await
-                .is_ok_and(|e| e.exists)
-        }
+        ReadyCheck::File(f) => agent.exists(f).await.unwrap_or(false),
         ReadyCheck::Command(c) => {
             let req = StartProcessRequest {
                 command: Some(c.clone()),
@@ -114,7 +106,7 @@ async fn is_ready(agent: &AgentClient, check: &ReadyCheck) -> bool {
 /// The last [`TAIL`] bytes of a process's output (what the agent still holds of it).
 async fn output_tail(agent: &AgentClient, pid: u32) -> String {
     let mut out: Vec<u8> = Vec::new();
-    let sel = pid.to_string();
+    let sel = moat_api::ProcessSelector::Pid(pid);
     let collect = agent.replay(&sel, |ev| {
         if let ProcessEvent::Stdout(c) | ProcessEvent::Stderr(c) | ProcessEvent::Pty(c) = ev {
             out.extend(chunk_bytes(c));

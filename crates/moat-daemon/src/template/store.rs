@@ -10,9 +10,9 @@ use moat_api::{BuildEvent, ErrorCode, Template, TemplateSource, TemplateStatus};
 use tokio::sync::mpsc;
 
 use super::{debootstrap, import, oci};
+use crate::clock::rfc3339;
 use crate::db::{Db, TemplateRecord};
 use crate::error::{ApiError, ApiResult};
-use crate::sandboxes::rfc3339;
 
 pub struct TemplateStore {
     dir: PathBuf,

@@ -6,11 +6,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::pin::Pin;
 
 use anyhow::Result;
 use moat_api::{Isolation, SandboxLimits, TierInfo};
-use tokio::io::{AsyncRead, AsyncWrite};
 
 pub mod container;
 pub mod gvisor;
@@ -81,10 +79,7 @@ impl TierUsage {
     }
 }
 
-/// A byte stream to a sandbox's agent.
-pub trait AgentIo: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> AgentIo for T {}
-pub type AgentStream = Pin<Box<dyn AgentIo>>;
+pub use crate::agent::AgentStream;
 
 #[async_trait::async_trait]
 pub trait IsolationTier: Send + Sync {

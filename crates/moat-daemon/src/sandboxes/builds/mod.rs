@@ -33,21 +33,6 @@ const KEEP_BUILDS: u32 = 200;
 /// Seconds one step may run when the spec sets no `build.step_timeout`.
 pub(super) const DEFAULT_STEP_TIMEOUT: u64 = 1800;
 
-/// `bld_` + 26 base32 characters of 128 random bits.
-fn new_build_id() -> String {
-    let mut b = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut b);
-    format!("bld_{}", base32(&b))
-}
-
-fn valid_build_id(id: &str) -> bool {
-    id.len() == 30
-        && id.starts_with("bld_")
-        && id[4..]
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
-}
-
 /// Why a build stopped: the step (index) and what happened.
 struct Failure {
     step: u32,
@@ -132,7 +117,7 @@ impl Sandboxes {
     /// A new build id and its (empty) directory, for the API to store a build context in before the
     /// build starts.
     pub fn new_build_dir(&self) -> ApiResult<(String, std::path::PathBuf)> {
-        let id = new_build_id();
+        let id = crate::ids::new_id("bld");
         let dir = self.build_dir(&id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
@@ -322,7 +307,7 @@ impl Sandboxes {
     }
 
     pub fn get_build(&self, id: &str) -> ApiResult<Build> {
-        if !valid_build_id(id) {
+        if !crate::ids::valid_id("bld", id) {
             return Err(ApiError::not_found("id", format!("build {id:?} not found")));
         }
         self.db
@@ -961,9 +946,9 @@ mod tests {
 
     #[test]
     fn build_ids() {
-        let id = new_build_id();
-        assert!(valid_build_id(&id), "{id}");
-        assert!(!valid_build_id("bld_../../etc"));
+        let id = crate::ids::new_id("bld");
+        assert!(crate::ids::valid_id("bld", &id), "{id}");
+        assert!(!crate::ids::valid_id("bld", "bld_../../etc"));
     }
 
     #[test]

@@ -136,25 +136,10 @@ impl Sandboxes {
                 let body = tokio::fs::read(&cs.tar)
                     .await
                     .map_err(|e| format!("read {}: {e}", cs.tar.display()))?;
-                let q: String = form_urlencoded::Serializer::new(String::new())
-                    .append_pair("path", &cs.dir)
-                    .finish();
-                let resp = agent
-                    .send(
-                        http::Method::PUT,
-                        &format!("/fs/tar?{q}"),
-                        Some("application/x-tar"),
-                        axum::body::Body::from(body),
-                    )
+                agent
+                    .upload_tar(&cs.dir, axum::body::Body::from(body))
                     .await
-                    .map_err(|e| format!("{e:#}"))?;
-                if !resp.status().is_success() {
-                    return Err(format!(
-                        "unpacking into {} failed ({})",
-                        cs.dir,
-                        resp.status()
-                    ));
-                }
+                    .map_err(|e| format!("unpacking into {} failed: {e}", cs.dir))?;
                 live.log(index, format!("[moat] copied {} to {}", c.src, c.dest));
                 if let Some(owner) = &c.owner {
                     let target = if c.dest.ends_with('/') {

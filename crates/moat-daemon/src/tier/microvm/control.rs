@@ -20,10 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use axum::body::Body;
-use http::{Method, Request, Response};
-use hyper::body::Incoming;
-use hyper::client::conn::http2::SendRequest;
+
+use crate::agent::{AgentClient, AgentStream, Dial};
 
 /// Which VM's control port to reach.
 #[derive(Debug, Clone)]
@@ -34,92 +32,63 @@ pub struct Target {
     pub uid: u32,
 }
 
-/// One HTTP/2 connection per VM, kept for the VM's life: a virtio-serial port has no connection
-/// boundaries of its own, so a guest that has not yet seen one connection end would read the next
-/// one's bytes as more of the first (the same holds for the daemon's connection on the agent port).
+/// One agent client per VM on its control port, kept for the VM's life: a virtio-serial port has
+/// no connection boundaries of its own, so a guest that has not yet seen one connection end would
+/// read the next one's bytes as more of the first (the same holds for the daemon's connection on
+/// the agent port).
 #[derive(Clone)]
 pub struct Connections {
-    conns: Arc<tokio::sync::Mutex<HashMap<String, SendRequest<Body>>>>,
+    clients: Arc<tokio::sync::Mutex<HashMap<String, Arc<AgentClient>>>>,
     ports: super::PortState,
 }
 
 impl Connections {
     pub fn new(ports: super::PortState) -> Connections {
         Connections {
-            conns: Arc::default(),
+            clients: Arc::default(),
             ports,
         }
     }
 
-    async fn sender(&self, t: &Target) -> Result<SendRequest<Body>> {
-        let mut map = self.conns.lock().await;
-        if let Some(s) = map.get(&t.id) {
-            if !s.is_closed() {
-                return Ok(s.clone());
-            }
+    /// The VM's control-port client (made on first use; it dials when a call needs it).
+    async fn client(&self, t: &Target) -> Arc<AgentClient> {
+        let mut map = self.clients.lock().await;
+        if let Some(c) = map.get(&t.id) {
+            return c.clone();
         }
-        let (path, uid, id, ports) = (t.sock.clone(), t.uid, t.id.clone(), self.ports.clone());
-        let std = tokio::task::spawn_blocking(move || {
-            let run = path.parent().unwrap_or(Path::new("/"));
-            ports.prepare(run, &id, uid, super::CONTROL_PORT_DEV)?;
-            super::qmp::connect_owned(&path, uid)
-        })
-        .await??;
-        std.set_nonblocking(true)?;
-        let stream: crate::tier::AgentStream = Box::pin(tokio::net::UnixStream::from_std(std)?);
-        let sender = crate::agent::handshake(stream, &t.id)
-            .await
-            .context("the VM's control port")?;
-        map.insert(t.id.clone(), sender.clone());
-        Ok(sender)
+        let (sock, uid, id, ports) = (t.sock.clone(), t.uid, t.id.clone(), self.ports.clone());
+        let dial: Dial = Arc::new(move || {
+            let (path, id, ports) = (sock.clone(), id.clone(), ports.clone());
+            Box::pin(async move {
+                let std = tokio::task::spawn_blocking(move || {
+                    let run = path.parent().unwrap_or(Path::new("/"));
+                    ports.prepare(run, &id, uid, super::CONTROL_PORT_DEV)?;
+                    super::qmp::connect_owned(&path, uid)
+                })
+                .await??;
+                std.set_nonblocking(true)?;
+                let stream: AgentStream = Box::pin(tokio::net::UnixStream::from_std(std)?);
+                Ok(stream)
+            })
+        });
+        let client = Arc::new(AgentClient::new(t.id.clone(), dial));
+        map.insert(t.id.clone(), client.clone());
+        client
     }
 
     /// Drops the connection to a VM that is gone.
     pub async fn forget(&self, id: &str) {
-        self.conns.lock().await.remove(id);
-    }
-
-    /// Sends one request to the VM's agent over its control port.
-    pub async fn send(
-        &self,
-        t: &Target,
-        method: Method,
-        path_and_query: &str,
-        body: Option<Vec<u8>>,
-    ) -> Result<Response<Incoming>> {
-        let mut sender = self.sender(t).await?;
-        let mut b = Request::builder()
-            .method(method)
-            .uri(format!("http://agent{path_and_query}"));
-        if body.is_some() {
-            b = b.header(http::header::CONTENT_TYPE, "application/json");
-        }
-        let req = b.body(body.map_or_else(Body::empty, Body::from))?;
-        sender.ready().await.context("VM control connection")?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| anyhow!("VM control request {path_and_query}: {e}"))?;
-        if !resp.status().is_success() {
-            use http_body_util::{BodyExt, Limited};
-            let status = resp.status();
-            let text = Limited::new(resp.into_body(), 64 << 10)
-                .collect()
-                .await
-                .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                .unwrap_or_default();
-            bail!("the VM's agent answered {path_and_query} with {status}: {text}");
-        }
-        Ok(resp)
+        self.clients.lock().await.remove(id);
     }
 
     /// Freezes (after which every process of the sandbox is stopped) or thaws the sandbox's
     /// processes.
     pub async fn set_frozen(&self, t: &Target, frozen: bool) -> Result<()> {
-        let body = serde_json::to_vec(&moat_api::guest::FreezeRequest { frozen })?;
-        self.send(t, Method::POST, moat_api::guest::FREEZE_PATH, Some(body))
-            .await?;
-        Ok(())
+        self.client(t)
+            .await
+            .vm_freeze(frozen)
+            .await
+            .context("the VM's control port")
     }
 
     /// Sets the guest's wall clock to the host's. A request takes time to reach the guest, which
@@ -128,22 +97,11 @@ impl Connections {
     /// clock is set three times: the first makes the connection, the second measures a round trip,
     /// the third sets the host's time plus half of it.
     pub async fn set_clock(&self, t: &Target) -> Result<()> {
-        self.send_clock(t, Duration::ZERO).await?;
-        let round_trip = self.send_clock(t, Duration::ZERO).await?;
-        self.send_clock(t, round_trip / 2).await?;
+        let client = self.client(t).await;
+        send_clock(&client, Duration::ZERO).await?;
+        let round_trip = send_clock(&client, Duration::ZERO).await?;
+        send_clock(&client, round_trip / 2).await?;
         Ok(())
-    }
-
-    /// Sets the guest's clock to the host's plus `ahead`; returns how long the request took.
-    async fn send_clock(&self, t: &Target, ahead: Duration) -> Result<Duration> {
-        let started = std::time::Instant::now();
-        let realtime_ns = (std::time::SystemTime::now() + ahead)
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64;
-        let body = serde_json::to_vec(&moat_api::guest::ClockRequest { realtime_ns })?;
-        self.send(t, Method::POST, moat_api::guest::CLOCK_PATH, Some(body))
-            .await?;
-        Ok(started.elapsed())
     }
 
     /// Gives the guest's `eth0` the address, route and nameserver of `network` (None: down, with
@@ -153,10 +111,11 @@ impl Connections {
         t: &Target,
         network: Option<moat_api::guest::GuestNetwork>,
     ) -> Result<()> {
-        let body = serde_json::to_vec(&moat_api::guest::NetworkRequest { network })?;
-        self.send(t, Method::POST, moat_api::guest::NETWORK_PATH, Some(body))
-            .await?;
-        Ok(())
+        self.client(t)
+            .await
+            .vm_network(&moat_api::guest::NetworkRequest { network })
+            .await
+            .context("the VM's control port")
     }
 
     /// Exports the guest's writable layer into the empty directory `dest` (at most `max_bytes` of
@@ -169,12 +128,12 @@ impl Connections {
         max_bytes: u64,
     ) -> Result<()> {
         use futures::TryStreamExt;
-        let path = if freeze {
-            format!("{}?freeze=true", moat_api::guest::LAYER_PATH)
-        } else {
-            moat_api::guest::LAYER_PATH.to_string()
-        };
-        let resp = self.send(t, Method::GET, &path, None).await?;
+        let resp = self
+            .client(t)
+            .await
+            .vm_layer(freeze)
+            .await
+            .context("the VM's control port")?;
         let stream =
             http_body_util::BodyDataStream::new(resp.into_body()).map_err(std::io::Error::other);
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
@@ -189,6 +148,19 @@ impl Connections {
             }
         }
     }
+}
+
+/// Sets the guest's clock to the host's plus `ahead`; returns how long the request took.
+async fn send_clock(client: &AgentClient, ahead: Duration) -> Result<Duration> {
+    let started = std::time::Instant::now();
+    let realtime_ns = (std::time::SystemTime::now() + ahead)
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos() as u64;
+    client
+        .vm_clock(realtime_ns)
+        .await
+        .context("the VM's control port")?;
+    Ok(started.elapsed())
 }
 
 /// How long the export of a VM's writable layer may take.
