@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::{now_ms, rfc3339};
 use crate::db::Db;
-use crate::error::{ApiError, ApiResult};
+use crate::error::Error;
 use crate::sandboxes::Sandboxes;
 
 /// Entries waiting for the writer; a full queue makes senders wait.
@@ -174,7 +174,7 @@ impl Audit {
                     Err(_) => None,
                 }
             }
-            Err(e) if e.0.error.code == moat_api::ErrorCode::NotFound => None,
+            Err(Error::NotFound { .. }) => None,
             Err(_) if !last => return, // starting/stopping: try again later
             Err(_) => None,
         };
@@ -303,7 +303,11 @@ impl Audit {
     }
 
     /// Entries matching `q` (and `sandbox`, which overrides `q.sandbox`), oldest first.
-    pub async fn query(&self, q: &AuditQuery, sandbox: Option<&str>) -> ApiResult<Vec<AuditEntry>> {
+    pub async fn query(
+        &self,
+        q: &AuditQuery,
+        sandbox: Option<&str>,
+    ) -> Result<Vec<AuditEntry>, Error> {
         let mut sql = String::from(
             "SELECT id, at_ms, actor, action, sandbox_id, status, detail FROM audit WHERE 1=1",
         );
@@ -331,7 +335,7 @@ impl Audit {
         }
         let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
         if limit == 0 || limit > MAX_LIMIT {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "limit",
                 format!("limit must be 1..={MAX_LIMIT}, got {limit}"),
             ));
@@ -362,8 +366,8 @@ impl Audit {
             })
         })
         .await
-        .map_err(ApiError::internal)?;
-        rows.map_err(|e| ApiError::internal(format!("audit query: {e:#}")))
+        .map_err(Error::internal)?;
+        rows.map_err(|e| Error::internal(format!("audit query: {e:#}")))
     }
 }
 
@@ -373,7 +377,7 @@ pub fn prune_table(db: &Db, table: &'static str, days: u64, max_entries: u64) ->
     let age = i64::try_from(days).unwrap_or(i64::MAX);
     let cutoff = now_ms().saturating_sub(age.saturating_mul(86_400_000));
     let max = i64::try_from(max_entries).unwrap_or(i64::MAX);
-    db.with_conn(|c| {
+    Ok(db.with_conn(|c| {
         let mut n = 0;
         if days > 0 {
             n += c.execute(&format!("DELETE FROM {table} WHERE at_ms < ?1"), params![cutoff])?;
@@ -385,7 +389,7 @@ pub fn prune_table(db: &Db, table: &'static str, days: u64, max_entries: u64) ->
             )?;
         }
         Ok(n)
-    })
+    })?)
 }
 
 /// Runs `prune` now and every hour (on a blocking thread), logging what it removed.
@@ -406,7 +410,7 @@ pub async fn retention_loop(
 }
 
 /// RFC 3339 or Unix milliseconds → Unix milliseconds.
-pub fn parse_time(field: &str, s: &str) -> ApiResult<i64> {
+pub fn parse_time(field: &str, s: &str) -> Result<i64, Error> {
     if let Ok(ms) = s.parse::<i64>() {
         return Ok(ms);
     }
@@ -415,7 +419,7 @@ pub fn parse_time(field: &str, s: &str) -> ApiResult<i64> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_millis() as i64)
         .ok_or_else(|| {
-            ApiError::invalid(
+            Error::invalid(
                 field,
                 format!("{field} must be RFC 3339 (2024-05-01T12:00:00Z) or Unix milliseconds, got {s:?}"),
             )
@@ -423,7 +427,7 @@ pub fn parse_time(field: &str, s: &str) -> ApiResult<i64> {
 }
 
 fn insert(db: &Db, entries: &[NewEntry]) -> Result<()> {
-    db.with_conn(|c| {
+    Ok(db.with_conn(|c| {
         let tx = c.transaction()?;
         {
             let mut st = tx.prepare_cached(
@@ -442,7 +446,7 @@ fn insert(db: &Db, entries: &[NewEntry]) -> Result<()> {
             }
         }
         tx.commit()
-    })
+    })?)
 }
 
 async fn writer(db: Arc<Db>, mut rx: mpsc::Receiver<Msg>) {
@@ -524,7 +528,7 @@ mod tests {
             ..Default::default()
         };
         let e = audit.query(&bad, None).await.unwrap_err();
-        assert_eq!(e.0.error.field.as_deref(), Some("since"));
+        assert_eq!(e.field(), Some("since"));
         assert_eq!(parse_time("t", "1970-01-01T00:00:01Z").unwrap(), 1000);
         // Old entries go by age, then the oldest beyond the cap.
         assert_eq!(audit.prune(100_000_000, 3).unwrap(), 2);

@@ -5,9 +5,35 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Mutex;
 
-use anyhow::{Context, Result};
 use moat_api::{Isolation, SandboxState, TemplateSource, TemplateStatus};
 use rusqlite::{params, Connection, OptionalExtension, Row};
+
+/// What can go wrong with the store. Every one of these is the daemon's failure, never the
+/// caller's, except [`StoreError::NoFreeSlot`], a limit of the host.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("open the database {path}: {source}")]
+    Open {
+        path: String,
+        source: rusqlite::Error,
+    },
+    #[error("database migration {number}: {source}")]
+    Migration {
+        number: usize,
+        source: rusqlite::Error,
+    },
+    #[error("database: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("encode a stored value: {0}")]
+    Encode(#[from] serde_json::Error),
+    #[error("the database lock is poisoned (a thread panicked holding it)")]
+    Poisoned,
+    /// Every uid slot (host uid range and network address) is taken by a sandbox.
+    #[error("all {0} sandbox slots are in use")]
+    NoFreeSlot(u32),
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 const MIGRATIONS: &[&str] = &[
     // 1: sandboxes and templates.
@@ -373,7 +399,10 @@ fn template_from_row(r: &Row<'_>) -> rusqlite::Result<TemplateRecord> {
 
 impl Db {
     pub fn open(path: &Path) -> Result<Db> {
-        let conn = Connection::open(path).with_context(|| format!("open {}", path.display()))?;
+        let conn = Connection::open(path).map_err(|source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        })?;
         Self::init(conn)
     }
 
@@ -389,7 +418,10 @@ impl Db {
         let tx = conn.transaction()?;
         for (i, m) in MIGRATIONS.iter().enumerate().skip(version as usize) {
             tx.execute_batch(m)
-                .with_context(|| format!("migration {}", i + 1))?;
+                .map_err(|source| StoreError::Migration {
+                    number: i + 1,
+                    source,
+                })?;
             tx.pragma_update(None, "user_version", (i + 1) as i64)?;
         }
         tx.commit()?;
@@ -399,10 +431,7 @@ impl Db {
     }
 
     fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
-        let conn = self
-            .conn
-            .lock()
-            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
         f(&conn).map_err(Into::into)
     }
 
@@ -411,19 +440,13 @@ impl Db {
         &self,
         f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
     ) -> Result<T> {
-        let mut conn = self
-            .conn
-            .lock()
-            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
         f(&mut conn).map_err(Into::into)
     }
 
     /// Inserts a new sandbox, choosing the lowest free uid slot below `max_slots`.
     pub fn insert_sandbox(&self, rec: &mut SandboxRecord, max_slots: u32) -> Result<()> {
-        let mut conn = self
-            .conn
-            .lock()
-            .map_err(|_| anyhow::anyhow!("database lock poisoned"))?;
+        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
         let tx = conn.transaction()?;
         let next: i64 = tx
             .query_row("SELECT value FROM meta WHERE key = 'next_slot'", [], |r| {
@@ -441,8 +464,7 @@ impl Db {
                 |r| r.get(0),
             )
             .optional()?;
-        let slot =
-            slot.ok_or_else(|| anyhow::anyhow!("all {max_slots} sandbox slots are in use"))?;
+        let slot = slot.ok_or(StoreError::NoFreeSlot(max_slots))?;
         tx.execute(
             "INSERT INTO meta (key, value) VALUES ('next_slot', ?1)
              ON CONFLICT(key) DO UPDATE SET value = ?1",

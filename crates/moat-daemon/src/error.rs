@@ -1,92 +1,120 @@
-//! API errors: every failure becomes an HTTP status with `{"error": {"code", "message", "field"?}}`.
+//! The core's errors: what lifecycle, templates, snapshots, builds, the code interpreter and the
+//! logs return. No HTTP here: the fronts (`api`, `e2b`, `api::mcp`) each turn an [`Error`] into
+//! their own answer in one place (`api::error` chooses the REST status).
 
-use axum::response::{IntoResponse, Response};
-use moat_api::{ErrorBody, ErrorCode};
+use crate::agent::AgentError;
+use crate::db::StoreError;
+use crate::tier::TierError;
 
-#[derive(Debug)]
-pub struct ApiError(pub ErrorBody);
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub type ApiResult<T> = Result<T, ApiError>;
-
-impl ApiError {
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
-        ApiError(ErrorBody::new(code, message))
-    }
-
-    pub fn invalid(field: &str, message: impl Into<String>) -> ApiError {
-        ApiError(ErrorBody::new(ErrorCode::InvalidArgument, message).with_field(field))
-    }
-
-    pub fn not_found(field: &str, message: impl Into<String>) -> ApiError {
-        ApiError(ErrorBody::new(ErrorCode::NotFound, message).with_field(field))
-    }
-
-    pub fn conflict(message: impl Into<String>) -> ApiError {
-        ApiError::new(ErrorCode::Conflict, message)
-    }
-
-    pub fn internal(err: impl std::fmt::Display) -> ApiError {
-        ApiError::new(ErrorCode::Internal, err.to_string())
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A value the caller gave is refused; `field` names it (empty: the request as a whole).
+    #[error("{message}")]
+    Invalid { field: String, message: String },
+    /// What the request names does not exist; `field` names where it was named.
+    #[error("{message}")]
+    NotFound { field: String, message: String },
+    /// The object's state does not allow the operation (a paused sandbox, a name taken).
+    #[error("{0}")]
+    Conflict(String),
+    /// Something the operation needs is missing on this host (a tier, a kind of snapshot);
+    /// `field` names the request field that asked for it.
+    #[error("{message}")]
+    Unavailable { field: String, message: String },
+    /// A limit of the host was reached (every sandbox slot taken).
+    #[error("{0}")]
+    Limit(String),
+    /// An isolation tier failed or refused, with its cause.
+    #[error("{what}: {source}")]
+    Tier { what: String, source: TierError },
+    /// A sandbox's agent failed or refused.
+    #[error("{0}")]
+    Agent(#[from] AgentError),
+    /// The store failed: the daemon's failure, never the caller's.
+    #[error("{0}")]
+    Storage(StoreError),
+    /// Anything else: an unexpected host failure or a bug.
+    #[error("{0:#}")]
+    Internal(#[from] anyhow::Error),
 }
 
-impl From<anyhow::Error> for ApiError {
-    fn from(e: anyhow::Error) -> ApiError {
-        tracing::error!("{e:#}");
-        ApiError::new(ErrorCode::Internal, format!("{e:#}"))
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = http::StatusCode::from_u16(self.0.error.code.status())
-            .unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-        let note = ErrorNote {
-            message: self.0.error.message.clone(),
-            field: self.0.error.field.clone(),
-        };
-        let mut r = (status, axum::Json(self.0)).into_response();
-        r.extensions_mut().insert(note);
-        r
-    }
-}
-
-/// An error answer's message and field, kept on the response for the audit log (which never reads
-/// response bodies).
-#[derive(Debug, Clone)]
-pub struct ErrorNote {
-    pub message: String,
-    pub field: Option<String>,
-}
-
-/// Turns a serde error (with its path) into a 400 naming the field.
-pub fn from_serde_path(
-    err: serde_path_to_error::Error<impl std::fmt::Display>,
-    what: &str,
-) -> ApiError {
-    let path = err.path().to_string();
-    let msg = err.inner().to_string();
-    // serde reports an unknown field at the enclosing object; the message names the field itself.
-    let field = match msg.split('`').nth(1) {
-        Some(f) if msg.starts_with("unknown field") => {
-            if path == "." || path.is_empty() {
-                f.to_string()
-            } else if path == f || path.ends_with(&format!(".{f}")) {
-                path
-            } else {
-                format!("{path}.{f}")
-            }
+impl Error {
+    pub fn invalid(field: &str, message: impl Into<String>) -> Error {
+        Error::Invalid {
+            field: field.to_string(),
+            message: message.into(),
         }
-        _ if path == "." || path.is_empty() => match msg.split('`').nth(1) {
-            Some(f) if msg.starts_with("missing field") => f.to_string(),
-            _ => String::new(),
-        },
-        _ => path,
-    };
-    let message = format!("invalid {what}: {msg}");
-    if field.is_empty() {
-        ApiError::new(ErrorCode::InvalidArgument, message)
-    } else {
-        ApiError::invalid(&field, message)
+    }
+
+    pub fn not_found(field: &str, message: impl Into<String>) -> Error {
+        Error::NotFound {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Error {
+        Error::Conflict(message.into())
+    }
+
+    pub fn unavailable(field: &str, message: impl Into<String>) -> Error {
+        Error::Unavailable {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub fn internal(message: impl std::fmt::Display) -> Error {
+        Error::Internal(anyhow::anyhow!("{message}"))
+    }
+
+    /// The request field the error is about, if it names one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Error::Invalid { field, .. }
+            | Error::NotFound { field, .. }
+            | Error::Unavailable { field, .. }
+                if !field.is_empty() =>
+            {
+                Some(field)
+            }
+            _ => None,
+        }
+    }
+
+    /// A tier's failure in doing `what` (a refusal stays a refusal).
+    pub fn tier(what: impl Into<String>, source: impl Into<TierError>) -> Error {
+        Error::Tier {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Error {
+        match e {
+            StoreError::NoFreeSlot(_) => Error::Limit(e.to_string()),
+            e => Error::Storage(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_host_is_a_limit_and_a_broken_store_is_storage() {
+        assert!(matches!(
+            Error::from(StoreError::NoFreeSlot(4)),
+            Error::Limit(m) if m == "all 4 sandbox slots are in use"
+        ));
+        assert!(matches!(
+            Error::from(StoreError::Poisoned),
+            Error::Storage(StoreError::Poisoned)
+        ));
     }
 }

@@ -13,7 +13,6 @@ pub mod config;
 pub mod db;
 pub mod e2b;
 pub mod error;
-pub mod extract;
 pub mod host;
 pub mod ids;
 pub mod layers;
@@ -50,7 +49,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o711))?;
     // One daemon per data dir: two would sweep each other's sandboxes as leftovers.
     let _lock = lock_data_dir(&args.data_dir)?;
-    extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
+    api::extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
 
     let api_key = load_or_create_api_key(&args.api_key_path())?;
     let db = Arc::new(db::Db::open(&args.data_dir.join("moat.db"))?);
@@ -168,7 +167,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     // Pooled sandboxes are nobody's: they go with a clean stop (the pool refills at the next start);
     // a crash leaves them to be re-adopted or trimmed then.
     if let Err(e) = sandboxes.drain_pool(&args.default_template).await {
-        tracing::warn!("draining the warm pool: {}", e.0);
+        tracing::warn!("draining the warm pool: {e}");
     }
     if cgroups.remove_parent_if_empty() {
         tracing::debug!("removed the empty cgroup parent");

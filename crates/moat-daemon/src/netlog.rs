@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, mpsc};
 use crate::audit::{Audit, NewEntry, DAEMON};
 use crate::clock::rfc3339;
 use crate::db::Db;
-use crate::error::{ApiError, ApiResult};
+use crate::error::Error;
 use crate::host::egress::Event;
 
 const QUEUE: usize = 4096;
@@ -89,7 +89,7 @@ impl NetLog {
         template: Option<&str>,
         q: &NetworkLogQuery,
         newest: bool,
-    ) -> ApiResult<Vec<NetworkLogEntry>> {
+    ) -> Result<Vec<NetworkLogEntry>, Error> {
         use rusqlite::types::Value as V;
         let mut sql = String::from(
             "SELECT id, at_ms, sandbox_id, protocol, dst_ip, dst_port, name, name_source, decision, \
@@ -114,7 +114,7 @@ impl NetLog {
         }
         let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
         if limit == 0 || (limit > MAX_LIMIT && !newest) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "limit",
                 format!("limit must be 1..={MAX_LIMIT}, got {limit}"),
             ));
@@ -134,8 +134,8 @@ impl NetLog {
             })
         })
         .await
-        .map_err(ApiError::internal)?
-        .map_err(|e| ApiError::internal(format!("connection log query: {e:#}")))?;
+        .map_err(Error::internal)?
+        .map_err(|e| Error::internal(format!("connection log query: {e:#}")))?;
         Ok(rows)
     }
 
@@ -144,7 +144,7 @@ impl NetLog {
         &self,
         sandbox: Option<&str>,
         template: Option<&str>,
-    ) -> ApiResult<NetworkProposal> {
+    ) -> Result<NetworkProposal, Error> {
         let q = NetworkLogQuery {
             limit: Some(PROPOSAL_ENTRIES),
             ..Default::default()
@@ -193,7 +193,7 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<NetworkLogEntry> {
 
 /// Inserts events in one transaction; returns them as stored (with their ids).
 fn insert(db: &Db, events: &[Event]) -> Result<Vec<NetworkLogEntry>> {
-    db.with_conn(|c| {
+    Ok(db.with_conn(|c| {
         let tx = c.transaction()?;
         let mut out = Vec::with_capacity(events.len());
         {
@@ -245,7 +245,7 @@ fn insert(db: &Db, events: &[Event]) -> Result<Vec<NetworkLogEntry>> {
         }
         tx.commit()?;
         Ok(out)
-    })
+    })?)
 }
 
 /// The tightest policy allowing every attempt in `entries`: internet off, and in `allow_out` a group

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use moat_api::{
-    AgentConfig, CreateSandboxRequest, ErrorCode, Isolation, Sandbox, SandboxLimits, SandboxState,
+    AgentConfig, CreateSandboxRequest, Isolation, Sandbox, SandboxLimits, SandboxState,
     SandboxStats,
 };
 use tokio::sync::RwLock;
@@ -19,7 +19,7 @@ use crate::clock::now_ms;
 use crate::clock::rfc3339;
 use crate::config::ServeArgs;
 use crate::db::{Claim, Db, SandboxRecord};
-use crate::error::{ApiError, ApiResult};
+use crate::error::Error;
 use crate::ids::{new_access_token, new_sandbox_id, valid_sandbox_id};
 use crate::layers::LayerStore;
 use crate::template::store::TemplateStore;
@@ -75,8 +75,7 @@ pub fn default_network(args: &ServeArgs) -> anyhow::Result<moat_api::NetworkPoli
     let p: moat_api::NetworkPolicy =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--default-network: {e}"))?;
     validate_policy(&p).map_err(|e| {
-        let field = e.0.error.field.unwrap_or_default();
-        anyhow::anyhow!("--default-network: {field}: {}", e.0.error.message)
+        anyhow::anyhow!("--default-network: {}: {e}", e.field().unwrap_or_default())
     })?;
     Ok(p)
 }
@@ -114,9 +113,9 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
 }
 
 /// Checks every entry of an egress policy (the error names the entry).
-fn validate_policy(p: &moat_api::NetworkPolicy) -> ApiResult<()> {
+fn validate_policy(p: &moat_api::NetworkPolicy) -> Result<(), Error> {
     if p.egress_mbps.is_some_and(|m| !(1..=100_000).contains(&m)) {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             "network.egress_mbps",
             "egress_mbps must be 1..=100000",
         ));
@@ -124,34 +123,34 @@ fn validate_policy(p: &moat_api::NetworkPolicy) -> ApiResult<()> {
     if p.connections_per_second
         .is_some_and(|n| !(1..=100_000).contains(&n))
     {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             "network.connections_per_second",
             "connections_per_second must be 1..=100000",
         ));
     }
     for (list, entries) in [("allow_out", &p.allow_out), ("deny_out", &p.deny_out)] {
         if entries.len() > 1000 {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 &format!("network.{list}"),
                 "at most 1000 entries",
             ));
         }
         for (i, e) in entries.iter().enumerate() {
             moat_api::parse_destination(e)
-                .map_err(|m| ApiError::invalid(&format!("network.{list}[{i}]"), m))?;
+                .map_err(|m| Error::invalid(&format!("network.{list}[{i}]"), m))?;
         }
     }
     Ok(())
 }
 
 /// Checks metadata labels (of a sandbox or a snapshot).
-fn validate_metadata(md: &BTreeMap<String, String>) -> ApiResult<()> {
+fn validate_metadata(md: &BTreeMap<String, String>) -> Result<(), Error> {
     if md.len() > 64 {
-        return Err(ApiError::invalid("metadata", "at most 64 metadata labels"));
+        return Err(Error::invalid("metadata", "at most 64 metadata labels"));
     }
     for (k, v) in md {
         if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains('=') {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 &format!("metadata.{k}"),
                 "metadata keys must be 1-128 characters without '='; values at most 1024",
             ));
@@ -197,8 +196,8 @@ fn agent_config(
         nofile: Some(l.nofile),
         output_bytes: Some(l.output_bytes),
         command_timeout: Some(l.command_timeout as f64),
-        oom_counter: tier.oom_counter_inside(),
-        nproc: tier.process_limit_inside().then_some(l.pids),
+        oom_counter: tier.capabilities().oom_counter_inside,
+        nproc: tier.capabilities().process_limit_inside.then_some(l.pids),
         user: runtime.user.clone(),
         cwd: runtime.workdir.clone(),
     }
@@ -252,7 +251,7 @@ pub(crate) fn agent_client(
     let (tier, sid, state) = (tier.clone(), id.to_string(), state.clone());
     let dial: crate::agent::Dial = Arc::new(move || {
         let (tier, id, state) = (tier.clone(), sid.clone(), state.clone());
-        Box::pin(async move { tier.connect(&id, &state).await })
+        Box::pin(async move { Ok(tier.connect(&id, &state).await?) })
     });
     AgentClient::new(id, dial)
 }
@@ -338,12 +337,12 @@ impl Sandboxes {
 
     /// Checks the limits that come from `req` or the defaults (a bad default is reported on the field
     /// too, so a misconfigured daemon is visible at the first create).
-    fn validate_limits(&self, l: &SandboxLimits) -> ApiResult<()> {
+    fn validate_limits(&self, l: &SandboxLimits) -> Result<(), Error> {
         let range = |field: &str, v: u64, r: std::ops::RangeInclusive<u64>, zero_ok: bool| {
             if (zero_ok && v == 0) || r.contains(&v) {
                 Ok(())
             } else {
-                Err(ApiError::invalid(
+                Err(Error::invalid(
                     field,
                     format!(
                         "{field} must be {}{}..={}, got {v}",
@@ -423,10 +422,10 @@ impl Sandboxes {
         &self,
         isolation: Isolation,
         asked: Option<&moat_api::NetworkPolicy>,
-    ) -> ApiResult<Option<moat_api::NetworkPolicy>> {
+    ) -> Result<Option<moat_api::NetworkPolicy>, Error> {
         if !self.networking(isolation) {
             return match asked {
-                Some(_) => Err(ApiError::invalid(
+                Some(_) => Err(Error::invalid(
                     "network",
                     "sandbox networking is off on this daemon (moat serve --network none)",
                 )),
@@ -445,10 +444,10 @@ impl Sandboxes {
         &self,
         id: &str,
         policy: moat_api::NetworkPolicy,
-    ) -> ApiResult<moat_api::NetworkInfo> {
+    ) -> Result<moat_api::NetworkInfo, Error> {
         let rec = self.record(id)?;
         if rec.network.is_none() {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} has no network (moat serve --network none)"
             )));
         }
@@ -456,16 +455,16 @@ impl Sandboxes {
         let tier = self.tier(rec.isolation)?;
         tier.set_network_policy(rec.slot, &policy)
             .await
-            .map_err(|e| ApiError::internal(format!("network policy of {id}: {e:#}")))?;
+            .map_err(|e| Error::internal(format!("network policy of {id}: {e:#}")))?;
         self.db.set_network(id, &policy)?;
         tracing::info!(sandbox = %id, ?policy, "network policy replaced");
         self.network(id)
     }
 
     /// `GET /v1/sandboxes/{id}/network`
-    pub fn network(&self, id: &str) -> ApiResult<moat_api::NetworkInfo> {
+    pub fn network(&self, id: &str) -> Result<moat_api::NetworkInfo, Error> {
         self.get(id)?.network.ok_or_else(|| {
-            ApiError::conflict(format!(
+            Error::conflict(format!(
                 "sandbox {id} has no network (moat serve --network none)"
             ))
         })
@@ -488,9 +487,9 @@ impl Sandboxes {
         out
     }
 
-    fn tier(&self, i: Isolation) -> ApiResult<Arc<dyn IsolationTier>> {
+    fn tier(&self, i: Isolation) -> Result<Arc<dyn IsolationTier>, Error> {
         self.tiers.get(&i).cloned().ok_or_else(|| {
-            ApiError::invalid(
+            Error::invalid(
                 "isolation",
                 format!(
                     "isolation {} is not available in this version of moat",
@@ -501,9 +500,9 @@ impl Sandboxes {
     }
 
     /// A sandbox lifetime in seconds: 1..=`--max-timeout`.
-    fn check_timeout(&self, t: u64) -> ApiResult<()> {
+    fn check_timeout(&self, t: u64) -> Result<(), Error> {
         if t == 0 || t > self.args.max_timeout {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "timeout",
                 format!(
                     "timeout must be 1..={} seconds, got {t}",
@@ -514,13 +513,13 @@ impl Sandboxes {
         Ok(())
     }
 
-    fn validate(&self, req: &CreateSandboxRequest) -> ApiResult<()> {
+    fn validate(&self, req: &CreateSandboxRequest) -> Result<(), Error> {
         if let Some(t) = req.timeout {
             self.check_timeout(t)?;
         }
         if let Some(c) = req.cpu {
             if !c.is_finite() || c < 0.01 || c > self.host_cpus {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "cpu",
                     format!("cpu must be 0.01..={} cores, got {c}", self.host_cpus),
                 ));
@@ -528,23 +527,20 @@ impl Sandboxes {
         }
         if let Some(m) = req.memory_mb {
             if !(16..=self.host_memory_mb).contains(&m) {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "memory_mb",
                     format!("memory_mb must be 16..={}, got {m}", self.host_memory_mb),
                 ));
             }
         }
         if req.disk_inodes.is_some_and(|n| n > 0) && req.disk_mb == Some(0) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "disk_inodes",
                 "disk_inodes needs a disk quota (disk_mb > 0)",
             ));
         }
         if req.env.len() > 1000 {
-            return Err(ApiError::invalid(
-                "env",
-                "at most 1000 environment variables",
-            ));
+            return Err(Error::invalid("env", "at most 1000 environment variables"));
         }
         for (k, v) in &req.env {
             if k.is_empty()
@@ -554,13 +550,13 @@ impl Sandboxes {
                 || k.len() > 4096
                 || v.len() > 128 * 1024
             {
-                return Err(ApiError::invalid(&format!("env.{k}"), "environment names must be non-empty without '=' or NUL; values without NUL and at most 128 KiB"));
+                return Err(Error::invalid(&format!("env.{k}"), "environment names must be non-empty without '=' or NUL; values without NUL and at most 128 KiB"));
             }
         }
         validate_metadata(&req.metadata)
     }
 
-    pub async fn create(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
+    pub async fn create(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
         self.validate(&req)?;
         let snapshot = match &req.snapshot {
             Some(s) => Some(self.snapshot_for_create(s, &req)?),
@@ -574,7 +570,7 @@ impl Sandboxes {
         let tier = self.tier(isolation)?;
         let info = tier.info();
         if !info.available {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "isolation",
                 format!(
                     "isolation {} is not available on this host: {}",
@@ -588,8 +584,7 @@ impl Sandboxes {
             (None, Some(t)) => t.clone(),
             (None, None) => self.args.default_template.clone(),
         };
-        moat_api::validate_template_name(&template)
-            .map_err(|m| ApiError::invalid("template", m))?;
+        moat_api::validate_template_name(&template).map_err(|m| Error::invalid("template", m))?;
         let stack = match &snapshot {
             Some(s) => Stack::of_snapshot(s),
             None => Stack::of_template(&self.templates.ensure(&self.db, &template).await?),
@@ -624,7 +619,9 @@ impl Sandboxes {
         if snapshot.is_none()
             && self.pool_serves(&template, isolation)
             && fixed(&claim.limits) == fixed(&defaults)
-            && tier.can_take_limits(&defaults, &claim.limits)
+            && tier
+                .capabilities()
+                .can_take_limits(&defaults, &claim.limits)
         {
             if let Some(rec) = self.claim(&claim, &tier).await {
                 return Ok(self.api(&rec));
@@ -679,13 +676,13 @@ impl Sandboxes {
         &self,
         template: &str,
         root: Option<&str>,
-    ) -> ApiResult<std::path::PathBuf> {
+    ) -> Result<std::path::PathBuf, Error> {
         let name = match root {
             None => template,
             Some(digest) if digest.starts_with("sha256:") => {
                 let p = self.layers.path(digest)?;
                 if !p.is_dir() {
-                    return Err(ApiError::internal(format!(
+                    return Err(Error::internal(format!(
                         "the base layer {digest} of template {template} is missing"
                     )));
                 }
@@ -729,7 +726,7 @@ impl Sandboxes {
             let agent = self
                 .agent(&rec.id)
                 .await
-                .map_err(|e| anyhow::anyhow!("{}", e.0))?;
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             if claim.limits != defaults {
                 agent
                     .configure(&agent_config(&claim.limits, tier.as_ref(), &rec.runtime))
@@ -762,10 +759,8 @@ impl Sandboxes {
         mut rec: SandboxRecord,
         tier: Arc<dyn IsolationTier>,
         template_rootfs: std::path::PathBuf,
-    ) -> ApiResult<SandboxRecord> {
-        self.db
-            .insert_sandbox(&mut rec, MAX_SLOTS)
-            .map_err(|e| ApiError::new(ErrorCode::Conflict, format!("{e:#}")))?;
+    ) -> Result<SandboxRecord, Error> {
+        self.db.insert_sandbox(&mut rec, MAX_SLOTS)?;
         let id = rec.id.clone();
         match self.boot(&rec, &tier, template_rootfs, false).await {
             Ok((agent, state)) => {
@@ -786,9 +781,7 @@ impl Sandboxes {
             }
             Err(e) => {
                 self.discard_failed(&id, &tier).await;
-                Err(ApiError::internal(format!(
-                    "could not start sandbox: {e:#}"
-                )))
+                Err(Error::internal(format!("could not start sandbox: {e:#}")))
             }
         }
     }
@@ -882,17 +875,17 @@ impl Sandboxes {
                 continue;
             }
             if let Err(e) = self.fill_one(&template).await {
-                tracing::warn!("warm pool: {}", e.0);
+                tracing::warn!("warm pool: {e}");
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
         }
     }
 
-    async fn fill_one(&self, template: &str) -> ApiResult<()> {
+    async fn fill_one(&self, template: &str) -> Result<(), Error> {
         let tier = self.tier(self.args.default_isolation)?;
         let stack = match self.db.get_template(template)? {
             Some(t) => Stack::of_template(&t),
-            None => return Err(ApiError::conflict(format!("template {template} is gone"))),
+            None => return Err(Error::conflict(format!("template {template} is gone"))),
         };
         let rootfs = self.root_path(template, stack.root.as_deref()).await?;
         let id = new_sandbox_id();
@@ -931,7 +924,7 @@ impl Sandboxes {
 
     /// Removes the pooled sandboxes of a template (before it is rebuilt or removed) and stops refilling
     /// until `resume_pool`.
-    pub async fn drain_pool(&self, template: &str) -> ApiResult<()> {
+    pub async fn drain_pool(&self, template: &str) -> Result<(), Error> {
         self.pool_paused
             .store(true, std::sync::atomic::Ordering::Relaxed);
         for rec in self.db.list_sandboxes()? {
@@ -971,18 +964,15 @@ impl Sandboxes {
         self.pool_wake.notify_one();
     }
 
-    fn record(&self, id: &str) -> ApiResult<SandboxRecord> {
+    fn record(&self, id: &str) -> Result<SandboxRecord, Error> {
         if !valid_sandbox_id(id) {
-            return Err(ApiError::not_found(
-                "id",
-                format!("sandbox {id:?} not found"),
-            ));
+            return Err(Error::not_found("id", format!("sandbox {id:?} not found")));
         }
         let rec = self
             .db
             .get_sandbox(id)?
             .filter(|r| !r.pooled)
-            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))?;
+            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
         // Every request for a sandbox goes through here: it restarts the idle clock.
         let now = now_ms();
         if now - rec.last_active_ms >= TOUCH_EVERY_MS {
@@ -994,12 +984,12 @@ impl Sandboxes {
     }
 
     /// Live usage of a sandbox, read on the host.
-    pub async fn stats(&self, id: &str) -> ApiResult<SandboxStats> {
+    pub async fn stats(&self, id: &str) -> Result<SandboxStats, Error> {
         let rec = self.record(id)?;
         let (Some(state), SandboxState::Running | SandboxState::Paused) =
             (rec.tier_state.as_ref(), rec.state)
         else {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is {}",
                 rec.state.as_str()
             )));
@@ -1008,7 +998,7 @@ impl Sandboxes {
         let read = || async {
             tier.usage(id, state)
                 .await
-                .map_err(|e| ApiError::internal(format!("sandbox {id}: usage: {e:#}")))
+                .map_err(|e| Error::internal(format!("sandbox {id}: usage: {e:#}")))
         };
         let mut u = read().await?;
         let now = std::time::Instant::now();
@@ -1035,7 +1025,9 @@ impl Sandboxes {
         }
         // A tier whose sandbox processes are in a cgroup inside (a microVM's guest) counts their OOM
         // kills there; the host cgroup's count is QEMU's. Read through the agent, unless paused.
-        if let (Some(path), SandboxState::Running) = (tier.oom_counter_inside(), rec.state) {
+        if let (Some(path), SandboxState::Running) =
+            (tier.capabilities().oom_counter_inside, rec.state)
+        {
             if let Some(n) = self.inner_oom_kills(id, &path).await {
                 u.oom_kills = u.oom_kills.max(n);
             }
@@ -1065,11 +1057,11 @@ impl Sandboxes {
             .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
     }
 
-    pub fn get(&self, id: &str) -> ApiResult<Sandbox> {
+    pub fn get(&self, id: &str) -> Result<Sandbox, Error> {
         self.record(id).map(|r| self.api(&r))
     }
 
-    pub fn list(&self, filter: &ListFilter) -> ApiResult<Vec<Sandbox>> {
+    pub fn list(&self, filter: &ListFilter) -> Result<Vec<Sandbox>, Error> {
         Ok(self
             .db
             .list_sandboxes()?
@@ -1086,11 +1078,11 @@ impl Sandboxes {
             .collect())
     }
 
-    pub fn set_timeout(&self, id: &str, timeout: u64) -> ApiResult<Sandbox> {
+    pub fn set_timeout(&self, id: &str, timeout: u64) -> Result<Sandbox, Error> {
         let rec = self.record(id)?;
         self.check_timeout(timeout)?;
         if rec.state == SandboxState::Stopping {
-            return Err(ApiError::conflict(format!("sandbox {id} is stopping")));
+            return Err(Error::conflict(format!("sandbox {id} is stopping")));
         }
         let at = now_ms() + 1000 * timeout as i64;
         self.db.set_expiry(id, at)?;
@@ -1098,31 +1090,31 @@ impl Sandboxes {
     }
 
     /// The agent connection of a running sandbox.
-    pub async fn agent(&self, id: &str) -> ApiResult<Arc<AgentClient>> {
+    pub async fn agent(&self, id: &str) -> Result<Arc<AgentClient>, Error> {
         let rec = self.record(id)?;
         self.agent_of(rec).await
     }
 
     /// The agent connection of a running sandbox, without counting as activity (for the daemon's own
     /// polling, which must not keep a sandbox from its idle timeout).
-    pub async fn agent_untouched(&self, id: &str) -> ApiResult<Arc<AgentClient>> {
+    pub async fn agent_untouched(&self, id: &str) -> Result<Arc<AgentClient>, Error> {
         let rec = self
             .db
             .get_sandbox(id)?
             .filter(|r| !r.pooled)
-            .ok_or_else(|| ApiError::not_found("id", format!("sandbox {id} not found")))?;
+            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
         self.agent_of(rec).await
     }
 
-    async fn agent_of(&self, rec: SandboxRecord) -> ApiResult<Arc<AgentClient>> {
+    async fn agent_of(&self, rec: SandboxRecord) -> Result<Arc<AgentClient>, Error> {
         let id = rec.id.as_str();
         if rec.state == SandboxState::Paused {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is paused; resume it first (POST /v1/sandboxes/{id}/resume)"
             )));
         }
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is {}",
                 rec.state.as_str()
             )));
@@ -1131,7 +1123,7 @@ impl Sandboxes {
             return Ok(a.clone());
         }
         let (Some(state), Ok(tier)) = (rec.tier_state.clone(), self.tier(rec.isolation)) else {
-            return Err(ApiError::conflict(format!("sandbox {id} has no agent")));
+            return Err(Error::conflict(format!("sandbox {id} has no agent")));
         };
         let agent = Arc::new(agent_client(id, &tier, &state));
         self.agents
@@ -1141,12 +1133,10 @@ impl Sandboxes {
         Ok(agent)
     }
 
-    pub async fn delete(&self, id: &str) -> ApiResult<()> {
+    pub async fn delete(&self, id: &str) -> Result<(), Error> {
         let rec = self.record(id)?;
         if rec.state == SandboxState::Starting {
-            return Err(ApiError::conflict(format!(
-                "sandbox {id} is still starting"
-            )));
+            return Err(Error::conflict(format!("sandbox {id} is still starting")));
         }
         self.destroy(rec).await.map_err(Into::into)
     }
@@ -1204,7 +1194,7 @@ impl Sandboxes {
                     if rec.on_timeout == moat_api::OnTimeout::Pause {
                         tracing::info!(sandbox = %id, "timeout or idle timeout passed: pausing");
                         if let Err(e) = self.pause(&id).await {
-                            tracing::error!(sandbox = %id, "pause at timeout: {}", e.0);
+                            tracing::error!(sandbox = %id, "pause at timeout: {e}");
                         }
                         continue;
                     }

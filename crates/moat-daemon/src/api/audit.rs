@@ -6,14 +6,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use moat_api::{AuditEntry, AuditList, AuditQuery};
 
+use super::error::{ApiError, ApiResult};
 use super::St;
-use crate::error::{ApiError, ApiResult};
 
 fn parse_query(req: &Request) -> ApiResult<AuditQuery> {
     let q = req.uri().query().unwrap_or("");
     let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(q.as_bytes()));
     let q: AuditQuery = serde_path_to_error::deserialize(de)
-        .map_err(|e| crate::error::from_serde_path(e, "query"))?;
+        .map_err(|e| crate::api::error::from_serde_path(e, "query"))?;
     match q.format.as_deref() {
         None | Some("json") | Some("jsonl") => Ok(q),
         Some(f) => Err(ApiError::invalid(

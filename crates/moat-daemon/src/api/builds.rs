@@ -6,9 +6,9 @@ use axum::response::Response;
 use axum::Json;
 use moat_api::{Build, BuildList, PruneResult};
 
+use super::error::{ApiError, ApiResult};
 use super::St;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::QueryArgs;
+use crate::api::extract::QueryArgs;
 
 #[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]

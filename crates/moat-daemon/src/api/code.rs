@@ -9,10 +9,10 @@ use moat_api::{
 };
 use tokio::sync::mpsc;
 
+use super::error::ApiResult;
 use super::St;
+use crate::api::extract::JsonBody;
 use crate::code;
-use crate::error::ApiResult;
-use crate::extract::JsonBody;
 
 /// Run code in a context (the language's default context unless `context_id` is given), streaming
 /// `stdout`, `stderr`, `result` and `error` events as NDJSON; `end` is always last.

@@ -3,6 +3,8 @@
 mod audit;
 mod builds;
 mod code;
+pub mod error;
+pub mod extract;
 pub mod mcp;
 mod network;
 pub(crate) mod ports;
@@ -22,8 +24,8 @@ use axum::{Json, Router};
 use moat_api::ErrorCode;
 use utoipa::OpenApi;
 
-use crate::error::ApiError;
 use crate::sandboxes::Sandboxes;
+use error::ApiError;
 
 pub struct AppState {
     pub sandboxes: Arc<Sandboxes>,
@@ -293,7 +295,7 @@ async fn auth(State(st): St, req: Request, next: Next) -> Response {
     if let Some(q) = query {
         detail.insert("query".into(), q.into());
     }
-    if let Some(n) = resp.extensions().get::<crate::error::ErrorNote>() {
+    if let Some(n) = resp.extensions().get::<crate::api::error::ErrorNote>() {
         detail.insert("error".into(), n.message.clone().into());
         if let Some(f) = &n.field {
             detail.insert("field".into(), f.clone().into());

@@ -6,13 +6,13 @@ use axum::Json;
 use moat_api::{NetworkLog, NetworkLogEntry, NetworkLogQuery, NetworkProposal};
 use tokio::sync::broadcast::error::RecvError;
 
+use super::error::{ApiError, ApiResult};
 use super::St;
-use crate::error::{ApiError, ApiResult};
 
 fn parse_query(req: &Request) -> ApiResult<NetworkLogQuery> {
     let q = req.uri().query().unwrap_or("");
     let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(q.as_bytes()));
-    serde_path_to_error::deserialize(de).map_err(|e| crate::error::from_serde_path(e, "query"))
+    serde_path_to_error::deserialize(de).map_err(|e| crate::api::error::from_serde_path(e, "query"))
 }
 
 fn check_id(id: &str) -> ApiResult<()> {

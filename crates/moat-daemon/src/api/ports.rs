@@ -20,8 +20,8 @@ use http::{header, HeaderMap, HeaderValue, StatusCode};
 use hyper_util::rt::TokioIo;
 use moat_api::ErrorCode;
 
+use super::error::ApiError;
 use super::{api_key_given, constant_time_eq, AppState};
-use crate::error::ApiError;
 
 const TOKEN_HEADER: &str = "x-moat-access-token";
 const TOKEN_PARAM: &str = "moat_access_token";

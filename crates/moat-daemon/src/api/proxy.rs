@@ -11,9 +11,9 @@ use serde::de::DeserializeOwned;
 
 use moat_api::protocol::{endpoint, Call, Endpoint, Payload};
 
+use super::error::{from_serde_path, ApiError, ApiResult};
 use super::St;
-use crate::error::{from_serde_path, ApiError, ApiResult};
-use crate::extract::{parse_json, read_limited, MAX_JSON_BODY};
+use crate::api::extract::{parse_json, read_limited, MAX_JSON_BODY};
 
 /// Forwards a request of endpoint `E` to the sandbox's agent: the process selector and the query
 /// are checked first (400 naming the field), then the sandbox (404/409), then a JSON body (400

@@ -7,9 +7,9 @@ use axum::http::StatusCode;
 use axum::Json;
 use moat_api::{CreateSandboxRequest, Sandbox, SandboxList, SandboxState, SetTimeoutRequest};
 
+use super::error::{ApiError, ApiResult};
 use super::St;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{query_values, JsonBody};
+use crate::api::extract::{query_values, JsonBody};
 use crate::sandboxes::ListFilter;
 
 /// Create a sandbox.

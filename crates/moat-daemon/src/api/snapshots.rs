@@ -8,9 +8,9 @@ use moat_api::{
     Sandbox, Snapshot, SnapshotList,
 };
 
+use super::error::ApiResult;
 use super::St;
-use crate::error::ApiResult;
-use crate::extract::JsonBody;
+use crate::api::extract::JsonBody;
 
 /// Take a snapshot of a running or paused sandbox (its processes are frozen while its changes are
 /// copied; a paused sandbox stays paused).

@@ -7,9 +7,9 @@ use axum::Json;
 use moat_api::{BuildEvent, RegisterTemplateRequest, Template, TemplateList};
 use tokio::sync::mpsc;
 
+use super::error::{ApiError, ApiResult};
 use super::St;
-use crate::error::{ApiError, ApiResult};
-use crate::extract::{JsonBody, QueryArgs};
+use crate::api::extract::{JsonBody, QueryArgs};
 use crate::template::spec;
 use crate::template::store::to_api;
 use moat_api::ErrorCode;
@@ -97,7 +97,7 @@ pub async fn build(
     req: axum::extract::Request,
 ) -> ApiResult<Response> {
     moat_api::validate_template_name(&name)
-        .map_err(|m| crate::error::ApiError::invalid("name", m))?;
+        .map_err(|m| crate::api::error::ApiError::invalid("name", m))?;
     let ct = req
         .headers()
         .get(http::header::CONTENT_TYPE)
@@ -120,6 +120,7 @@ pub async fn build(
             st.sandboxes
                 .start_build(id.clone(), &name, parsed, true, q.no_cache)
                 .await
+                .map_err(ApiError::from)
         }
         .await;
         return match started {
@@ -130,8 +131,8 @@ pub async fn build(
             }
         };
     }
-    let limit = crate::extract::MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed);
-    let body = crate::extract::read_limited(req.into_body(), limit).await?;
+    let limit = crate::api::extract::MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed);
+    let body = crate::api::extract::read_limited(req.into_body(), limit).await?;
     if body.iter().all(u8::is_ascii_whitespace) {
         if q.no_cache || q.spec.is_some() {
             return Err(ApiError::invalid(
@@ -147,7 +148,7 @@ pub async fn build(
                 .map_err(|_| ApiError::invalid("spec", "the spec is not UTF-8 text"))?;
             (spec::parse_toml(text)?, q.no_cache)
         } else {
-            let r: moat_api::BuildRequest = crate::extract::parse_json(&body)?;
+            let r: moat_api::BuildRequest = crate::api::extract::parse_json(&body)?;
             (r.spec, r.no_cache || q.no_cache)
         };
     let (id, _dir) = st.sandboxes.new_build_dir()?;
@@ -205,7 +206,7 @@ fn debootstrap_build(st: std::sync::Arc<super::AppState>, name: String) -> ApiRe
                 template: Box::new(template),
             },
             Err(e) => BuildEvent::Failed {
-                message: e.0.error.message,
+                message: e.to_string(),
                 step: None,
             },
         };

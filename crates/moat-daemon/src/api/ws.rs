@@ -19,9 +19,9 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::error::{ApiError, ApiResult};
 use super::St;
 use crate::agent::{chunk_bytes, AgentClient, AgentError, ProcessEventLines};
-use crate::error::{ApiError, ApiResult};
 
 #[derive(Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

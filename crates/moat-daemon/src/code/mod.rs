@@ -29,7 +29,7 @@ use moat_api::{
 use tokio::sync::mpsc;
 
 use crate::agent::{AgentClient, AgentError};
-use crate::error::{ApiError, ApiResult};
+use crate::error::Error;
 
 pub const KERNEL_PY: &str = include_str!("kernel.py");
 pub const KERNEL_JS: &str = include_str!("kernel.js");
@@ -69,8 +69,8 @@ fn forget_lock(sandbox: &str, ctx: &str) {
     m.remove(&(sandbox.to_string(), ctx.to_string()));
 }
 
-fn agent_err(e: AgentError) -> ApiError {
-    ApiError::internal(format!("{e}"))
+fn agent_err(e: AgentError) -> Error {
+    Error::internal(format!("{e}"))
 }
 
 fn kernel(ctx: &str) -> ProcessSelector {
@@ -88,7 +88,7 @@ fn language_of(info: &ProcessInfo) -> CodeLanguage {
 }
 
 /// The sandbox's code contexts: its running kernels, by tag.
-pub async fn list(agent: &AgentClient) -> ApiResult<Vec<CodeContext>> {
+pub async fn list(agent: &AgentClient) -> Result<Vec<CodeContext>, Error> {
     let procs: ProcessList = agent.processes().await.map_err(agent_err)?;
     let mut out: Vec<CodeContext> = procs
         .processes
@@ -107,19 +107,19 @@ pub async fn list(agent: &AgentClient) -> ApiResult<Vec<CodeContext>> {
     Ok(out)
 }
 
-pub async fn find(agent: &AgentClient, ctx: &str) -> ApiResult<Option<CodeContext>> {
+pub async fn find(agent: &AgentClient, ctx: &str) -> Result<Option<CodeContext>, Error> {
     Ok(list(agent).await?.into_iter().find(|c| c.id == ctx))
 }
 
 /// Looks up a context named in a request: 400 for a malformed id, 404 for an unknown one.
-pub async fn get(agent: &AgentClient, ctx: &str, field: &str) -> ApiResult<CodeContext> {
-    moat_api::validate_context_id(ctx).map_err(|m| ApiError::invalid(field, m))?;
+pub async fn get(agent: &AgentClient, ctx: &str, field: &str) -> Result<CodeContext, Error> {
+    moat_api::validate_context_id(ctx).map_err(|m| Error::invalid(field, m))?;
     find(agent, ctx)
         .await?
-        .ok_or_else(|| ApiError::not_found(field, format!("code context {ctx} not found")))
+        .ok_or_else(|| Error::not_found(field, format!("code context {ctx} not found")))
 }
 
-async fn put_file(agent: &AgentClient, path: &str, content: Vec<u8>) -> ApiResult<()> {
+async fn put_file(agent: &AgentClient, path: &str, content: Vec<u8>) -> Result<(), Error> {
     let q = WriteQuery {
         path: path.to_string(),
         mode: None,
@@ -129,7 +129,7 @@ async fn put_file(agent: &AgentClient, path: &str, content: Vec<u8>) -> ApiResul
         .write_file(&q, Body::from(content))
         .await
         .map(drop)
-        .map_err(|e| ApiError::internal(format!("writing {path} in the sandbox failed: {e}")))
+        .map_err(|e| Error::internal(format!("writing {path} in the sandbox failed: {e}")))
 }
 
 /// Starts a kernel for context `id`. `cwd` is checked by the agent (400 naming `cwd`).
@@ -138,8 +138,8 @@ pub async fn start(
     id: &str,
     lang: CodeLanguage,
     cwd: Option<String>,
-) -> ApiResult<CodeContext> {
-    moat_api::validate_context_id(id).map_err(|m| ApiError::invalid("context_id", m))?;
+) -> Result<CodeContext, Error> {
+    moat_api::validate_context_id(id).map_err(|m| Error::invalid("context_id", m))?;
     // SIGINT must interrupt cells even when the agent's processes inherited it ignored.
     let mut cmd: Vec<String> = vec!["env".into(), "--default-signal=INT".into()];
     match lang {
@@ -150,7 +150,7 @@ pub async fn start(
         }
         CodeLanguage::Javascript => {
             if !has_program(agent, "node").await? {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "language",
                     "language javascript needs `node` in the sandbox, and this sandbox's template has none",
                 ));
@@ -185,22 +185,20 @@ pub async fn start(
     let (status, body) = refusal;
     let message = body.error.message;
     match (status.as_u16(), body.error.field.as_deref()) {
-        (400, Some("cwd")) => Err(ApiError::invalid("cwd", message)),
-        (400, Some("cmd")) => Err(ApiError::invalid(
+        (400, Some("cwd")) => Err(Error::invalid("cwd", message)),
+        (400, Some("cmd")) => Err(Error::invalid(
             "language",
             format!("language {lang} cannot start in this sandbox: {message}"),
         )),
-        (409, _) => Err(ApiError::conflict(format!(
-            "code context {id} exists already"
-        ))),
-        _ => Err(ApiError::internal(format!(
+        (409, _) => Err(Error::conflict(format!("code context {id} exists already"))),
+        _ => Err(Error::internal(format!(
             "starting the {lang} kernel failed ({status}): {message}"
         ))),
     }
 }
 
 /// Whether `program` is on the sandbox's PATH.
-async fn has_program(agent: &AgentClient, program: &str) -> ApiResult<bool> {
+async fn has_program(agent: &AgentClient, program: &str) -> Result<bool, Error> {
     let req = StartProcessRequest {
         cmd: Some(vec![
             "/bin/sh".into(),
@@ -216,13 +214,13 @@ async fn has_program(agent: &AgentClient, program: &str) -> ApiResult<bool> {
 }
 
 /// Kills a context's kernel and waits until its tag is free.
-async fn kill(agent: &AgentClient, ctx: &str) -> ApiResult<()> {
+async fn kill(agent: &AgentClient, ctx: &str) -> Result<(), Error> {
     match agent.signal(&kernel(ctx), "SIGKILL").await {
         Ok(()) => {}
         // Gone already, or exited.
         Err(e) if matches!(e.status().map(|s| s.as_u16()), Some(404 | 409)) => {}
         Err(e) => {
-            return Err(ApiError::internal(format!(
+            return Err(Error::internal(format!(
                 "stopping code context {ctx} failed: {e}"
             )))
         }
@@ -230,7 +228,7 @@ async fn kill(agent: &AgentClient, ctx: &str) -> ApiResult<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while find(agent, ctx).await?.is_some() {
         if Instant::now() > deadline {
-            return Err(ApiError::internal(format!(
+            return Err(Error::internal(format!(
                 "the kernel of code context {ctx} did not exit"
             )));
         }
@@ -240,7 +238,7 @@ async fn kill(agent: &AgentClient, ctx: &str) -> ApiResult<()> {
 }
 
 /// Deletes a context (its kernel and state).
-pub async fn delete(agent: &AgentClient, sandbox: &str, ctx: &CodeContext) -> ApiResult<()> {
+pub async fn delete(agent: &AgentClient, sandbox: &str, ctx: &CodeContext) -> Result<(), Error> {
     kill(agent, &ctx.id).await?;
     forget_lock(sandbox, &ctx.id);
     Ok(())
@@ -252,7 +250,7 @@ pub async fn restart(
     agent: &AgentClient,
     sandbox: &str,
     ctx: &CodeContext,
-) -> ApiResult<CodeContext> {
+) -> Result<CodeContext, Error> {
     let lock = lock_for(sandbox, &ctx.id);
     let mut count = lock.lock().await;
     kill(agent, &ctx.id).await?;
@@ -266,13 +264,13 @@ pub async fn prepare(
     agent: &AgentClient,
     sandbox: &str,
     req: &RunCodeRequest,
-) -> ApiResult<CodeContext> {
+) -> Result<CodeContext, Error> {
     if req.code.trim().is_empty() {
-        return Err(ApiError::invalid("code", "code is empty"));
+        return Err(Error::invalid("code", "code is empty"));
     }
     if let Some(t) = req.timeout {
         if !t.is_finite() || t <= 0.0 || t > MAX_TIMEOUT {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "timeout",
                 format!("timeout must be a number of seconds in (0, {MAX_TIMEOUT}]"),
             ));
@@ -280,23 +278,20 @@ pub async fn prepare(
     }
     for k in req.env.keys() {
         if k.is_empty() || k.contains('=') || k.contains('\0') {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 &format!("env.{k}"),
                 format!("environment variable name {k:?} is invalid"),
             ));
         }
     }
     if req.env.values().any(|v| v.contains('\0')) {
-        return Err(ApiError::invalid(
-            "env",
-            "environment values may not hold NUL",
-        ));
+        return Err(Error::invalid("env", "environment values may not hold NUL"));
     }
     if let Some(id) = &req.context_id {
         let ctx = get(agent, id, "context_id").await?;
         if let Some(lang) = req.language {
             if lang != ctx.language {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "language",
                     format!("context {id} runs {}, not {lang}", ctx.language),
                 ));
@@ -333,7 +328,7 @@ pub async fn run(
             let _ = tx
                 .send(CodeEvent::Error(CodeError {
                     name: "InterpreterError".into(),
-                    value: e.0.error.message,
+                    value: e.to_string(),
                     traceback: String::new(),
                 }))
                 .await;
@@ -543,7 +538,7 @@ fn shell_quote(s: &str) -> String {
 
 /// Signals a context's kernel; a kernel that is gone is not an error here (the output stream
 /// says so).
-async fn signal(agent: &AgentClient, ctx: &str, sig: &str) -> ApiResult<()> {
+async fn signal(agent: &AgentClient, ctx: &str, sig: &str) -> Result<(), Error> {
     match agent.signal(&kernel(ctx), sig).await {
         Ok(()) | Err(AgentError::Refused { .. }) => Ok(()),
         Err(e) => Err(agent_err(e)),
@@ -559,13 +554,13 @@ async fn execute(
     timeout: Duration,
     count_before: u64,
     tx: &mpsc::Sender<CodeEvent>,
-) -> ApiResult<u64> {
+) -> Result<u64, Error> {
     let exec_id = format!("{:016x}", rand::random::<u64>());
     // Attach first, so no output of this cell can come before we listen.
     let resp = match agent.events(&kernel(&ctx.id), false).await {
         Ok(r) => r,
         Err(AgentError::Refused { status, .. }) => {
-            return Err(ApiError::internal(format!(
+            return Err(Error::internal(format!(
                 "the kernel of code context {} is gone ({status})",
                 ctx.id
             )))
@@ -577,7 +572,7 @@ async fn execute(
     let (line, mut decoder) = match ctx.language {
         CodeLanguage::Python | CodeLanguage::Javascript => {
             let msg = serde_json::json!({"id": exec_id, "code": req.code, "env": req.env});
-            let mut line = serde_json::to_vec(&msg).map_err(ApiError::internal)?;
+            let mut line = serde_json::to_vec(&msg).map_err(Error::internal)?;
             line.push(b'\n');
             (
                 line,
@@ -614,7 +609,7 @@ async fn execute(
     agent
         .stdin(&kernel(&ctx.id), Body::from(line))
         .await
-        .map_err(|e| ApiError::internal(format!("sending the cell to the kernel failed: {e}")))?;
+        .map_err(|e| Error::internal(format!("sending the cell to the kernel failed: {e}")))?;
 
     let mut deadline = tokio::time::Instant::now() + timeout;
     let mut interrupted = false;
@@ -642,15 +637,15 @@ async fn execute(
                 Err(_) => continue,
             },
             Some(Err(e)) => {
-                return Err(ApiError::internal(format!(
+                return Err(Error::internal(format!(
                     "the kernel's output stream broke: {e}"
                 )))
             }
-            None => return Err(ApiError::internal("the kernel's output stream ended early")),
+            None => return Err(Error::internal("the kernel's output stream ended early")),
         };
         let evs = events
             .push(&chunk)
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .map_err(|e| Error::internal(e.to_string()))?;
         for ev in evs {
             let step = match ev {
                 ProcessEvent::Stdout(c) => decoder.stdout(&exec_id, &crate::agent::chunk_bytes(&c)),

@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use super::E2b;
 use crate::api::constant_time_eq;
 use crate::code;
+use crate::error::Error;
 
 /// Seconds a cell may run: E2B's timeout is the client's (it stops reading), so the server's is long.
 const CELL_TIMEOUT: f64 = 1800.0;
@@ -49,7 +50,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
         Err(err) => {
             return error(
                 StatusCode::BAD_GATEWAY,
-                format!("sandbox {id} was not found: {}", err.0.error.message),
+                format!("sandbox {id} was not found: {}", err),
             )
         }
     };
@@ -66,7 +67,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
     }
     let agent = match e.app.sandboxes.agent(id).await {
         Ok(a) => a,
-        Err(err) => return error(StatusCode::BAD_GATEWAY, err.0.error.message),
+        Err(err) => return error(StatusCode::BAD_GATEWAY, err.to_string()),
     };
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_string();
@@ -80,13 +81,13 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
             Ok(list) => {
                 axum::Json(list.iter().map(context_json).collect::<Vec<_>>()).into_response()
             }
-            Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.0.error.message),
+            Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
         },
         (http::Method::POST, ["contexts", ctx, "restart"]) => {
             match code::get(&agent, ctx, "context").await {
                 Ok(c) => match code::restart(&agent, id, &c).await {
                     Ok(c) => axum::Json(context_json(&c)).into_response(),
-                    Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.0.error.message),
+                    Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
                 },
                 Err(_) => error(StatusCode::NOT_FOUND, format!("Context {ctx} not found")),
             }
@@ -95,7 +96,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
             match code::get(&agent, ctx, "context").await {
                 Ok(c) => match code::delete(&agent, id, &c).await {
                     Ok(()) => StatusCode::NO_CONTENT.into_response(),
-                    Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.0.error.message),
+                    Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
                 },
                 Err(_) => error(StatusCode::NOT_FOUND, format!("Context {ctx} not found")),
             }
@@ -130,7 +131,7 @@ struct Execute {
 }
 
 async fn read_json<T: serde::de::DeserializeOwned + Default>(body: Body) -> Result<T, Response> {
-    let bytes = crate::extract::read_limited(body, 16 << 20)
+    let bytes = crate::api::extract::read_limited(body, 16 << 20)
         .await
         .map_err(|err| error(StatusCode::PAYLOAD_TOO_LARGE, err.0.error.message))?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -167,13 +168,13 @@ async fn execute(e: &E2b, id: &str, agent: Arc<crate::agent::AgentClient>, body:
     };
     let ctx = match code::prepare(&agent, id, &run).await {
         Ok(c) => c,
-        Err(err) if err.0.error.code == moat_api::ErrorCode::NotFound => {
+        Err(Error::NotFound { .. }) => {
             return error(
                 StatusCode::NOT_FOUND,
                 format!("Context {} not found", run.context_id.unwrap_or_default()),
             )
         }
-        Err(err) => return error(StatusCode::BAD_REQUEST, err.0.error.message),
+        Err(err) => return error(StatusCode::BAD_REQUEST, err.to_string()),
     };
     e.app.audit.watch(id);
     let (tx, mut rx) = mpsc::channel::<CodeEvent>(256);
@@ -262,10 +263,10 @@ async fn create_context(
     let ctx_id = format!("ctx_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
     match code::start(agent, &ctx_id, lang, cwd).await {
         Ok(c) => axum::Json(context_json(&c)).into_response(),
-        Err(err) if err.0.error.code == moat_api::ErrorCode::InvalidArgument => {
-            error(StatusCode::BAD_REQUEST, err.0.error.message)
+        Err(err) if matches!(err, Error::Invalid { .. }) => {
+            error(StatusCode::BAD_REQUEST, err.to_string())
         }
-        Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.0.error.message),
+        Err(err) => error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
     }
 }
 

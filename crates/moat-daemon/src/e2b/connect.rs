@@ -87,8 +87,8 @@ impl ConnectError {
 }
 
 /// moat's API errors in Connect's terms.
-impl From<crate::error::ApiError> for ConnectError {
-    fn from(e: crate::error::ApiError) -> ConnectError {
+impl From<crate::api::error::ApiError> for ConnectError {
+    fn from(e: crate::api::error::ApiError) -> ConnectError {
         use moat_api::ErrorCode as E;
         let code = match e.0.error.code {
             E::InvalidArgument => Code::InvalidArgument,

@@ -14,14 +14,17 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{E2b, CLIENT_ID, ENVD_VERSION};
-use crate::error::ApiError;
+use crate::api::error::ApiError;
+use crate::error::Error;
 
 /// An E2B REST error (`{"code": <status>, "message"}`), from moat's own.
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     super::envd::http_error(status, message)
 }
 
-fn from_api(e: ApiError) -> Response {
+/// moat's error (the core's, or the REST edge's) as E2B's: the REST status, the field in the message.
+fn from_api(e: impl Into<ApiError>) -> Response {
+    let e: ApiError = e.into();
     let status =
         StatusCode::from_u16(e.0.error.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut message = e.0.error.message;
@@ -139,7 +142,7 @@ fn percent(s: &str) -> String {
 }
 
 async fn json_body<T: serde::de::DeserializeOwned + Default>(body: Body) -> Result<T, Response> {
-    let bytes = crate::extract::read_limited(body, 1 << 20)
+    let bytes = crate::api::extract::read_limited(body, 1 << 20)
         .await
         .map_err(from_api)?;
     if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -363,15 +366,11 @@ async fn create(e: &Arc<E2b>, body: Body) -> Result<(Response, String), Response
         ..Default::default()
     };
     let s = e.app.sandboxes.create(create).await.map_err(|err| {
-        let not_found = err.0.error.code == moat_api::ErrorCode::NotFound
-            || err.0.error.field.as_deref() == Some("template");
+        let not_found = matches!(err, Error::NotFound { .. }) || err.field() == Some("template");
         if not_found {
             error(
                 StatusCode::NOT_FOUND,
-                format!(
-                    "template '{template_id}' not found: {}",
-                    err.0.error.message
-                ),
+                format!("template '{template_id}' not found: {}", err),
             )
         } else {
             from_api(err)
@@ -584,8 +583,8 @@ fn detail(e: &E2b, id: &str) -> Response {
     }
 }
 
-fn not_found_or(err: ApiError, id: &str) -> Response {
-    if err.0.error.code == moat_api::ErrorCode::NotFound {
+fn not_found_or(err: Error, id: &str) -> Response {
+    if matches!(err, Error::NotFound { .. }) {
         error(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
     } else {
         from_api(err)
@@ -691,8 +690,8 @@ async fn connect(e: &E2b, id: &str, body: Body, resume_only: bool) -> Response {
 async fn pause(e: &E2b, id: &str) -> Response {
     match e.app.sandboxes.pause(id).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(err) if err.0.error.code == moat_api::ErrorCode::Conflict => {
-            error(StatusCode::CONFLICT, err.0.error.message)
+        Err(err) if matches!(err, Error::Conflict(_)) => {
+            error(StatusCode::CONFLICT, err.to_string())
         }
         Err(err) => not_found_or(err, id),
     }
@@ -799,7 +798,7 @@ async fn delete_template(e: &E2b, name: &str) -> Response {
             e.app.sandboxes.gc_layers();
             StatusCode::NO_CONTENT.into_response()
         }
-        Err(err) if err.0.error.code == moat_api::ErrorCode::NotFound => error(
+        Err(Error::NotFound { .. }) => error(
             StatusCode::NOT_FOUND,
             format!("template or snapshot {name} not found"),
         ),
@@ -828,7 +827,7 @@ fn list_templates(e: &E2b) -> Response {
                 .collect();
             axum::Json(v).into_response()
         }
-        Err(err) => from_api(err.into()),
+        Err(err) => from_api(err),
     }
 }
 
@@ -880,7 +879,7 @@ async fn fork(e: &E2b, id: &str, body: Body) -> Response {
         )
         .await;
     if let Err(err) = e.app.sandboxes.delete_snapshot(&snap.id) {
-        tracing::warn!(snapshot = %snap.id, "remove the fork's snapshot: {}", err.0.error.message);
+        tracing::warn!(snapshot = %snap.id, "remove the fork's snapshot: {}", err.to_string());
     }
     match forked {
         Ok(list) => {

@@ -33,7 +33,7 @@ fn token_of(e: &E2b, id: &str) -> Result<moat_api::Sandbox, Response> {
         // What envd's proxy answers for a sandbox it does not know (the SDK reads "was not found").
         http_error(
             StatusCode::BAD_GATEWAY,
-            format!("sandbox {id} was not found: {}", err.0.error.message),
+            format!("sandbox {id} was not found: {}", err),
         )
     })
 }
@@ -65,7 +65,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
             Ok(_) => StatusCode::NO_CONTENT.into_response(),
             Err(err) => http_error(
                 StatusCode::BAD_GATEWAY,
-                format!("sandbox {id} is not reachable: {}", err.0.error.message),
+                format!("sandbox {id} is not reachable: {}", err),
             ),
         };
     }
@@ -90,7 +90,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
         Err(err) => {
             return http_error(
                 StatusCode::BAD_GATEWAY,
-                format!("sandbox {id} is not reachable: {}", err.0.error.message),
+                format!("sandbox {id} is not reachable: {}", err),
             )
         }
     };

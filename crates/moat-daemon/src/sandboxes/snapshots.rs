@@ -65,16 +65,16 @@ impl Sandboxes {
         m.entry(id.to_string()).or_default().clone()
     }
 
-    fn snapshot_record(&self, field: &str, id_or_name: &str) -> ApiResult<SnapshotRecord> {
+    fn snapshot_record(&self, field: &str, id_or_name: &str) -> Result<SnapshotRecord, Error> {
         if id_or_name.is_empty() || id_or_name.len() > 64 {
-            return Err(ApiError::not_found(
+            return Err(Error::not_found(
                 field,
                 format!("snapshot {id_or_name:?} not found"),
             ));
         }
         self.db
             .get_snapshot(id_or_name)?
-            .ok_or_else(|| ApiError::not_found(field, format!("snapshot {id_or_name} not found")))
+            .ok_or_else(|| Error::not_found(field, format!("snapshot {id_or_name} not found")))
     }
 
     /// The snapshot a create asks to start from, checked against the rest of the request.
@@ -82,10 +82,10 @@ impl Sandboxes {
         &self,
         id_or_name: &str,
         req: &CreateSandboxRequest,
-    ) -> ApiResult<SnapshotRecord> {
+    ) -> Result<SnapshotRecord, Error> {
         let snap = self.snapshot_record("snapshot", id_or_name)?;
         if let Some(i) = req.isolation.filter(|i| *i != snap.isolation) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "isolation",
                 format!(
                     "snapshot {} was taken on the {} tier, not {}; leave isolation out",
@@ -96,7 +96,7 @@ impl Sandboxes {
             ));
         }
         if let Some(t) = req.template.as_ref().filter(|t| **t != snap.template) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "template",
                 format!(
                     "snapshot {} is of template {}, not {t}; leave template out",
@@ -152,6 +152,7 @@ impl Sandboxes {
         let result = self
             .db
             .layers_in_use()
+            .map_err(anyhow::Error::from)
             .and_then(|keep| self.layers.gc(&keep));
         match result {
             Ok(removed) if !removed.is_empty() => {
@@ -163,7 +164,7 @@ impl Sandboxes {
     }
 
     /// Disk used by templates, the layer store and sandboxes' writable layers.
-    pub async fn disk_usage(&self) -> ApiResult<moat_api::DiskUsage> {
+    pub async fn disk_usage(&self) -> Result<moat_api::DiskUsage, Error> {
         let mut plain_bytes = 0;
         let templates: Vec<moat_api::DiskUsageItem> = self
             .db
@@ -184,7 +185,7 @@ impl Sandboxes {
         let store = self.layers.clone();
         let (count, bytes) = tokio::task::spawn_blocking(move || store.usage())
             .await
-            .map_err(|e| ApiError::internal(format!("layer usage: {e}")))?;
+            .map_err(|e| Error::internal(format!("layer usage: {e}")))?;
         let mut sandboxes = moat_api::DiskUsageItem {
             name: "sandboxes".into(),
             count: 0,
@@ -221,11 +222,11 @@ impl Sandboxes {
     }
 
     /// Takes a snapshot of a running or paused sandbox.
-    pub async fn snapshot(&self, id: &str, req: CreateSnapshotRequest) -> ApiResult<Snapshot> {
+    pub async fn snapshot(&self, id: &str, req: CreateSnapshotRequest) -> Result<Snapshot, Error> {
         if let Some(n) = &req.name {
-            moat_api::validate_snapshot_name(n).map_err(|m| ApiError::invalid("name", m))?;
+            moat_api::validate_snapshot_name(n).map_err(|m| Error::invalid("name", m))?;
             if self.db.get_snapshot(n)?.is_some() {
-                return Err(ApiError::conflict(format!(
+                return Err(Error::conflict(format!(
                     "a snapshot named {n} exists already"
                 )));
             }
@@ -235,13 +236,11 @@ impl Sandboxes {
         let tier = self.tier(rec.isolation)?;
         if req.kind == Some(SnapshotKind::Full) {
             if let Some(why) = tier.full_snapshot_unsupported() {
-                return Err(ApiError(
-                    moat_api::ErrorBody::new(ErrorCode::Unavailable, why).with_field("kind"),
-                ));
+                return Err(Error::unavailable("kind", why));
             }
         }
         if rec.layers.len() >= MAX_LAYERS {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} already stacks {} layers (at most {MAX_LAYERS}); snapshot a sandbox started from the template instead",
                 rec.layers.len()
             )));
@@ -251,14 +250,14 @@ impl Sandboxes {
         // Re-read under the lock: a reset or delete may have changed it.
         let rec = self.record(id)?;
         if super::files_only(&rec) {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is paused with its files only (its processes ended with the host); resume it first"
             )));
         }
         let (SandboxState::Running | SandboxState::Paused, Some(state)) =
             (rec.state, rec.tier_state.as_ref())
         else {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is {}",
                 rec.state.as_str()
             )));
@@ -273,14 +272,11 @@ impl Sandboxes {
             });
             if let Err(e) = made {
                 let _ = crate::host::mount::remove_unmounted_tree(&scratch);
-                return Err(ApiError::internal(format!(
-                    "create {}: {e}",
-                    image.display()
-                )));
+                return Err(Error::internal(format!("create {}: {e}", image.display())));
             }
             // The agent's connection ends with the checkpoint (on most tiers); the next request
             // reconnects.
-            let ends = tier.checkpoint_ends_connections();
+            let ends = tier.capabilities().checkpoint_ends_connections;
             if ends {
                 self.agents.write().await.remove(id);
             }
@@ -295,10 +291,7 @@ impl Sandboxes {
                 Err(e) => {
                     let _ = crate::host::mount::remove_unmounted_tree(&scratch);
                     let _ = std::fs::remove_dir_all(&image);
-                    return Err(match e.downcast_ref::<crate::tier::CheckpointRefused>() {
-                        Some(r) => ApiError::conflict(r.0.clone()),
-                        None => ApiError::internal(format!("full-state snapshot of {id}: {e:#}")),
-                    });
+                    return Err(Error::tier(format!("full-state snapshot of {id}"), e));
                 }
             }
         } else {
@@ -306,7 +299,7 @@ impl Sandboxes {
                 Ok(d) => (d, None),
                 Err(e) => {
                     let _ = crate::host::mount::remove_unmounted_tree(&scratch);
-                    return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+                    return Err(Error::tier(format!("snapshot of {id}"), e));
                 }
             }
         };
@@ -316,7 +309,7 @@ impl Sandboxes {
             let scratch = scratch.clone();
             tokio::task::spawn_blocking(move || crate::layers::digest_tree(&scratch))
                 .await
-                .map_err(|e| ApiError::internal(format!("snapshot of {id}: {e}")))?
+                .map_err(|e| Error::internal(format!("snapshot of {id}: {e}")))?
         };
         let (digest, size_bytes) = match hashed {
             Ok(v) => v,
@@ -325,7 +318,7 @@ impl Sandboxes {
                 if let Some(image) = &image {
                     let _ = std::fs::remove_dir_all(image);
                 }
-                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+                return Err(Error::internal(format!("snapshot of {id}: {e:#}")));
             }
         };
         let size_bytes = size_bytes + image.as_deref().map_or(0, dir_bytes);
@@ -367,7 +360,7 @@ impl Sandboxes {
                 if let Some(image) = &image {
                     let _ = std::fs::remove_dir_all(image);
                 }
-                return Err(ApiError::internal(format!("snapshot of {id}: {e:#}")));
+                return Err(Error::internal(format!("snapshot of {id}: {e:#}")));
             }
             if let Err(e) = self.db.insert_snapshot(&snap) {
                 drop(_g);
@@ -377,9 +370,9 @@ impl Sandboxes {
                 self.gc_layers();
                 let msg = format!("{e:#}");
                 return Err(if msg.contains("UNIQUE") {
-                    ApiError::conflict("a snapshot with that name exists already")
+                    Error::conflict("a snapshot with that name exists already")
                 } else {
-                    ApiError::internal(format!("record snapshot: {msg}"))
+                    Error::internal(format!("record snapshot: {msg}"))
                 });
             }
         }
@@ -387,7 +380,7 @@ impl Sandboxes {
         Ok(snapshot_to_api(&snap))
     }
 
-    pub fn list_snapshots(&self) -> ApiResult<Vec<Snapshot>> {
+    pub fn list_snapshots(&self) -> Result<Vec<Snapshot>, Error> {
         Ok(self
             .db
             .list_snapshots()?
@@ -396,13 +389,13 @@ impl Sandboxes {
             .collect())
     }
 
-    pub fn get_snapshot(&self, id_or_name: &str) -> ApiResult<Snapshot> {
+    pub fn get_snapshot(&self, id_or_name: &str) -> Result<Snapshot, Error> {
         self.snapshot_record("id", id_or_name)
             .map(|s| snapshot_to_api(&s))
     }
 
     /// Deletes a snapshot; its layers stay while sandboxes started from it run.
-    pub fn delete_snapshot(&self, id_or_name: &str) -> ApiResult<()> {
+    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<(), Error> {
         let snap = self.snapshot_record("id", id_or_name)?;
         self.db.delete_snapshot(&snap.id)?;
         let image = self.checkpoint_dir(&snap.id);
@@ -418,9 +411,9 @@ impl Sandboxes {
 
     /// Starts `req.count` sandboxes from one snapshot; all or none (on a failure the ones already
     /// started are removed).
-    pub async fn fork(&self, id_or_name: &str, req: ForkRequest) -> ApiResult<Vec<Sandbox>> {
+    pub async fn fork(&self, id_or_name: &str, req: ForkRequest) -> Result<Vec<Sandbox>, Error> {
         if !(1..=MAX_FORKS).contains(&req.count) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "count",
                 format!("count must be 1..={MAX_FORKS}, got {}", req.count),
             ));
@@ -441,7 +434,7 @@ impl Sandboxes {
                 ..Default::default()
             }
         });
-        let results: Vec<ApiResult<Sandbox>> = futures::stream::iter(requests)
+        let results: Vec<Result<Sandbox, Error>> = futures::stream::iter(requests)
             .map(|r| self.create(r))
             .buffered(parallel)
             .collect()
@@ -459,7 +452,7 @@ impl Sandboxes {
         if let Some(e) = first_err {
             for s in &made {
                 if let Err(d) = self.delete(&s.id).await {
-                    tracing::error!(sandbox = %s.id, "remove after failed fork: {}", d.0);
+                    tracing::error!(sandbox = %s.id, "remove after failed fork: {d}");
                 }
             }
             return Err(e);
@@ -471,12 +464,12 @@ impl Sandboxes {
     /// Puts a sandbox back into a snapshot's state (or the state it was created in): every process is
     /// killed and its writable layer replaced by an empty one over the snapshot's layers. The id, uid
     /// range, hostname, limits, environment, metadata and timeout stay.
-    pub async fn reset(&self, id: &str, req: ResetRequest) -> ApiResult<Sandbox> {
+    pub async fn reset(&self, id: &str, req: ResetRequest) -> Result<Sandbox, Error> {
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is {}",
                 rec.state.as_str()
             )));
@@ -485,7 +478,7 @@ impl Sandboxes {
             Some(s) => {
                 let snap = self.snapshot_record("snapshot", s)?;
                 if snap.template != rec.template || snap.isolation != rec.isolation {
-                    return Err(ApiError::invalid(
+                    return Err(Error::invalid(
                         "snapshot",
                         format!(
                             "snapshot {} is of template {} on the {} tier; sandbox {id} runs template {} on the {} tier",
@@ -498,7 +491,7 @@ impl Sandboxes {
                     ));
                 }
                 if snap.root != rec.root {
-                    return Err(ApiError::invalid(
+                    return Err(Error::invalid(
                         "snapshot",
                         format!(
                             "snapshot {} stands on another build of template {} than sandbox {id}",
@@ -535,7 +528,7 @@ impl Sandboxes {
             Err(e) => {
                 self.discard_failed(id, &tier).await;
                 self.gc_layers();
-                Err(ApiError::internal(format!(
+                Err(Error::internal(format!(
                     "reset of {id} failed and the sandbox was removed: {e:#}"
                 )))
             }
@@ -544,29 +537,22 @@ impl Sandboxes {
 
     /// Freezes every process of a running sandbox; it keeps its memory and files, uses no CPU, and
     /// does not expire while paused.
-    pub async fn pause(&self, id: &str) -> ApiResult<PauseResult> {
+    pub async fn pause(&self, id: &str) -> Result<PauseResult, Error> {
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
         match rec.state {
             SandboxState::Running => {}
             SandboxState::Paused => {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is already paused"
-                )))
+                return Err(Error::conflict(format!("sandbox {id} is already paused")))
             }
-            s => {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is {}",
-                    s.as_str()
-                )))
-            }
+            s => return Err(Error::conflict(format!("sandbox {id} is {}", s.as_str()))),
         }
         let tier = self.tier(rec.isolation)?;
         let state = rec.tier_state.clone().unwrap_or_default();
         tier.pause(id, &state)
             .await
-            .map_err(|e| ApiError::internal(format!("pause {id}: {e:#}")))?;
+            .map_err(|e| Error::internal(format!("pause {id}: {e:#}")))?;
         self.db.set_state(id, SandboxState::Paused)?;
         tracing::info!(sandbox = %id, "paused");
         Ok(PauseResult {
@@ -576,14 +562,14 @@ impl Sandboxes {
     }
 
     /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).
-    pub async fn resume(&self, id: &str, req: ResumeRequest) -> ApiResult<PauseResult> {
+    pub async fn resume(&self, id: &str, req: ResumeRequest) -> Result<PauseResult, Error> {
         let timeout = req.timeout.unwrap_or(self.args.default_timeout);
         self.check_timeout(timeout)?;
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
         if rec.state != SandboxState::Paused {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "sandbox {id} is {}, not paused",
                 rec.state.as_str()
             )));
@@ -595,7 +581,7 @@ impl Sandboxes {
         let state = rec.tier_state.clone().unwrap_or_default();
         tier.resume(id, &state)
             .await
-            .map_err(|e| ApiError::internal(format!("resume {id}: {e:#}")))?;
+            .map_err(|e| Error::internal(format!("resume {id}: {e:#}")))?;
         self.db.set_expiry(id, now_ms() + 1000 * timeout as i64)?;
         self.db.touch(id, now_ms())?;
         self.db.set_state(id, SandboxState::Running)?;
@@ -616,7 +602,7 @@ impl Sandboxes {
         rec: SandboxRecord,
         tier: Arc<dyn IsolationTier>,
         timeout: u64,
-    ) -> ApiResult<PauseResult> {
+    ) -> Result<PauseResult, Error> {
         let id = rec.id.clone();
         let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
         self.db.set_state(&id, SandboxState::Starting)?;
@@ -638,7 +624,7 @@ impl Sandboxes {
                 if let Err(r) = released {
                     tracing::error!(sandbox = %id, "after a failed resume: {r:#}");
                 }
-                Err(ApiError::internal(format!(
+                Err(Error::internal(format!(
                     "resume of {id} over its files failed (it stays paused with them): {e:#}"
                 )))
             }

@@ -10,10 +10,10 @@ use anyhow::{bail, Context, Result};
 use moat_api::{BuildStep, TemplateSpec};
 use sha2::{Digest, Sha256};
 
-use crate::error::ApiError;
+use crate::error::Error;
 
 /// Parses and checks a spec given as TOML; errors are 400s naming the field.
-pub fn parse_toml(text: &str) -> Result<TemplateSpec, ApiError> {
+pub fn parse_toml(text: &str) -> Result<TemplateSpec, Error> {
     let spec: TemplateSpec = toml::from_str(text).map_err(|e| {
         let msg = e.message().to_string();
         let at = e
@@ -23,16 +23,16 @@ pub fn parse_toml(text: &str) -> Result<TemplateSpec, ApiError> {
                 format!(" (line {line})")
             })
             .unwrap_or_default();
-        ApiError::invalid("spec", format!("{}{at}: {msg}", moat_api::SPEC_FILE))
+        Error::invalid("spec", format!("{}{at}: {msg}", moat_api::SPEC_FILE))
     })?;
     check(&spec)?;
     Ok(spec)
 }
 
 /// [`TemplateSpec::validate`] as an API error.
-pub fn check(spec: &TemplateSpec) -> Result<(), ApiError> {
+pub fn check(spec: &TemplateSpec) -> Result<(), Error> {
     spec.validate()
-        .map_err(|(field, msg)| ApiError::invalid(&format!("spec.{field}"), msg))
+        .map_err(|(field, msg)| Error::invalid(&format!("spec.{field}"), msg))
 }
 
 /// Daemon-wide settings of build steps: the package registries they install from.
@@ -414,17 +414,16 @@ pub fn copy_source(context: &Path, src: &str, dest: &str, out: &Path) -> Result<
 }
 
 /// Reads the spec file out of a build context tar.
-pub fn spec_from_context(context: &Path, name: &str) -> Result<String, ApiError> {
+pub fn spec_from_context(context: &Path, name: &str) -> Result<String, Error> {
     let f = std::fs::File::open(context)
-        .map_err(|e| ApiError::internal(format!("open the build context: {e}")))?;
+        .map_err(|e| Error::internal(format!("open the build context: {e}")))?;
     let mut ar = tar::Archive::new(f);
     let entries = ar
         .entries()
-        .map_err(|e| ApiError::invalid("body", format!("the build context is not a tar: {e}")))?;
+        .map_err(|e| Error::invalid("body", format!("the build context is not a tar: {e}")))?;
     for entry in entries {
-        let mut entry = entry.map_err(|e| {
-            ApiError::invalid("body", format!("the build context is not a tar: {e}"))
-        })?;
+        let mut entry = entry
+            .map_err(|e| Error::invalid("body", format!("the build context is not a tar: {e}")))?;
         let path = entry
             .path()
             .map(|p| p.to_string_lossy().into_owned())
@@ -435,11 +434,11 @@ pub fn spec_from_context(context: &Path, name: &str) -> Result<String, ApiError>
                 .by_ref()
                 .take(1 << 20)
                 .read_to_string(&mut text)
-                .map_err(|e| ApiError::invalid("spec", format!("{name} is not UTF-8 text: {e}")))?;
+                .map_err(|e| Error::invalid("spec", format!("{name} is not UTF-8 text: {e}")))?;
             return Ok(text);
         }
     }
-    Err(ApiError::invalid(
+    Err(Error::invalid(
         "spec",
         format!("the build context has no {name}"),
     ))
@@ -466,14 +465,10 @@ ready = { port = 8000 }
         .unwrap();
         assert_eq!(spec.steps.len(), 2);
         let e = parse_toml("from = \"base\"\n[[steps]]\nap = [\"x\"]\n").unwrap_err();
-        assert_eq!(e.0.error.field.as_deref(), Some("spec"));
-        assert!(
-            e.0.error.message.contains("line 3"),
-            "{}",
-            e.0.error.message
-        );
+        assert_eq!(e.field(), Some("spec"));
+        assert!(e.to_string().contains("line 3"), "{}", e);
         let e = parse_toml("from = { image = \"a\", template = \"b\" }\n").unwrap_err();
-        assert_eq!(e.0.error.field.as_deref(), Some("spec.from"));
+        assert_eq!(e.field(), Some("spec.from"));
     }
 
     #[test]

@@ -6,13 +6,13 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use moat_api::{BuildEvent, ErrorCode, Template, TemplateSource, TemplateStatus};
+use moat_api::{BuildEvent, Template, TemplateSource, TemplateStatus};
 use tokio::sync::mpsc;
 
 use super::{debootstrap, import, oci};
 use crate::clock::rfc3339;
 use crate::db::{Db, TemplateRecord};
-use crate::error::{ApiError, ApiResult};
+use crate::error::Error;
 
 pub struct TemplateStore {
     dir: PathBuf,
@@ -80,18 +80,18 @@ impl TemplateStore {
         Ok(())
     }
 
-    pub fn get(&self, db: &Db, name: &str) -> ApiResult<Template> {
-        moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
+    pub fn get(&self, db: &Db, name: &str) -> Result<Template, Error> {
+        moat_api::validate_template_name(name).map_err(|m| Error::invalid("name", m))?;
         db.get_template(name)?
             .map(|r| to_api(&r))
-            .ok_or_else(|| ApiError::not_found("name", format!("template {name} not found")))
+            .ok_or_else(|| Error::not_found("name", format!("template {name} not found")))
     }
 
     /// A ready template; the `base` template is built on first use.
-    pub async fn ensure(&self, db: &Db, name: &str) -> ApiResult<TemplateRecord> {
+    pub async fn ensure(&self, db: &Db, name: &str) -> Result<TemplateRecord, Error> {
         match db.get_template(name)? {
             Some(t) if t.status == TemplateStatus::Ready => Ok(t),
-            Some(t) if t.status == TemplateStatus::Building => Err(ApiError::conflict(format!(
+            Some(t) if t.status == TemplateStatus::Building => Err(Error::conflict(format!(
                 "template {name} is still building"
             ))),
             _ if name == BASE => {
@@ -102,13 +102,13 @@ impl TemplateStore {
                 drain.abort();
                 r?;
                 db.get_template(name)?
-                    .ok_or_else(|| ApiError::internal(format!("template {name} vanished")))
+                    .ok_or_else(|| Error::internal(format!("template {name} vanished")))
             }
-            Some(t) => Err(ApiError::conflict(format!(
+            Some(t) => Err(Error::conflict(format!(
                 "template {name} is not ready ({})",
                 t.error.unwrap_or_else(|| "failed".into())
             ))),
-            None => Err(ApiError::not_found(
+            None => Err(Error::not_found(
                 "template",
                 format!("template {name} not found"),
             )),
@@ -121,8 +121,8 @@ impl TemplateStore {
         db: &Db,
         name: &str,
         events: mpsc::Sender<BuildEvent>,
-    ) -> ApiResult<Template> {
-        moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
+    ) -> Result<Template, Error> {
+        moat_api::validate_template_name(name).map_err(|m| Error::invalid("name", m))?;
         let _guard = self.build_lock.lock().await;
         if let Some(t) = db.get_template(name)? {
             if t.status == TemplateStatus::Ready && name == BASE {
@@ -135,20 +135,20 @@ impl TemplateStore {
                 return Ok(to_api(&t));
             }
             if t.source == TemplateSource::Spec && t.status != TemplateStatus::Building {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "spec",
                     format!("template {name} is built from a spec; build it with its spec (moat template build {name} -f moat.toml)"),
                 ));
             }
             if t.source != TemplateSource::Debootstrap && t.status == TemplateStatus::Ready {
-                return Err(ApiError::conflict(format!(
+                return Err(Error::conflict(format!(
                     "template {name} was imported; remove it before building"
                 )));
             }
         }
         let users = db.template_users(name)?;
         if users > 0 {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "template {name} is used by {users} sandbox(es), snapshot(s) or template(s); remove them first"
             )));
         }
@@ -166,29 +166,27 @@ impl TemplateStore {
     }
 
     /// Registers a root filesystem directory or tarball from the host as template `name`.
-    pub async fn register(&self, db: &Db, name: &str, path: &str) -> ApiResult<Template> {
-        moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
+    pub async fn register(&self, db: &Db, name: &str, path: &str) -> Result<Template, Error> {
+        moat_api::validate_template_name(name).map_err(|m| Error::invalid("name", m))?;
         let src = PathBuf::from(path);
         if !src.is_absolute() {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "path",
                 format!("path {path:?} must be absolute"),
             ));
         }
-        let meta = std::fs::metadata(&src)
-            .map_err(|e| ApiError::invalid("path", format!("{path}: {e}")))?;
+        let meta =
+            std::fs::metadata(&src).map_err(|e| Error::invalid("path", format!("{path}: {e}")))?;
         let _guard = self.build_lock.lock().await;
         if db.get_template(name)?.is_some() {
-            return Err(ApiError::conflict(format!(
-                "template {name} exists already"
-            )));
+            return Err(Error::conflict(format!("template {name} exists already")));
         }
         let image = {
             let src = src.clone();
             tokio::task::spawn_blocking(move || oci::detect(&src))
                 .await
-                .map_err(|e| ApiError::internal(format!("inspect {path}: {e}")))?
-                .map_err(|e| ApiError::invalid("path", format!("{e:#}")))?
+                .map_err(|e| Error::internal(format!("inspect {path}: {e}")))?
+                .map_err(|e| Error::invalid("path", format!("{e:#}")))?
         };
         let source = match (image, meta.is_dir()) {
             (Some(_), _) => TemplateSource::Image,
@@ -221,12 +219,11 @@ impl TemplateStore {
         db: &Db,
         name: &str,
         req: &moat_api::PullTemplateRequest,
-    ) -> ApiResult<Template> {
-        moat_api::validate_template_name(name).map_err(|m| ApiError::invalid("name", m))?;
-        oci::ImageRef::parse(&req.image)
-            .map_err(|e| ApiError::invalid("image", format!("{e:#}")))?;
+    ) -> Result<Template, Error> {
+        moat_api::validate_template_name(name).map_err(|m| Error::invalid("name", m))?;
+        oci::ImageRef::parse(&req.image).map_err(|e| Error::invalid("image", format!("{e:#}")))?;
         if req.username.is_some() != req.password.is_some() {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 if req.username.is_some() {
                     "password"
                 } else {
@@ -237,9 +234,7 @@ impl TemplateStore {
         }
         let _guard = self.build_lock.lock().await;
         if db.get_template(name)?.is_some() {
-            return Err(ApiError::conflict(format!(
-                "template {name} exists already"
-            )));
+            return Err(Error::conflict(format!("template {name} exists already")));
         }
         let opts = oci::PullOptions {
             username: req.username.clone(),
@@ -263,7 +258,7 @@ impl TemplateStore {
         name: &str,
         source: TemplateSource,
         make: F,
-    ) -> ApiResult<Template>
+    ) -> Result<Template, Error>
     where
         F: FnOnce(PathBuf) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<()>>,
@@ -290,21 +285,18 @@ impl TemplateStore {
                 rec.status = TemplateStatus::Failed;
                 rec.error = Some(format!("{e:#}"));
                 db.upsert_template(&rec)?;
-                Err(ApiError::new(
-                    ErrorCode::Internal,
-                    format!("template {name}: {e:#}"),
-                ))
+                Err(Error::Internal(e.context(format!("template {name}"))))
             }
         }
     }
 
     /// Removes a template no sandbox uses (a spec-built template's layers go with the next layer
     /// collection, unless the build cache or others hold them).
-    pub fn remove(&self, db: &Db, name: &str) -> ApiResult<()> {
+    pub fn remove(&self, db: &Db, name: &str) -> Result<(), Error> {
         self.get(db, name)?;
         let users = db.template_users(name)?;
         if users > 0 {
-            return Err(ApiError::conflict(format!(
+            return Err(Error::conflict(format!(
                 "template {name} is used by {users} sandbox(es), snapshot(s) or template(s)"
             )));
         }

@@ -1,14 +1,20 @@
-//! Isolation tiers. One trait, one module per tier; nothing tier-specific lives outside its module.
+//! Isolation tiers. One trait, one module per tier; nothing tier-specific lives outside its module,
+//! and a tier knows nothing of a sandbox's lifecycle (that is `sandboxes`).
 //!
-//! A tier turns a [`SandboxSpec`] into a running agent reachable over one byte stream, and tears it down
-//! again. What a tier must remember to find its sandbox after a daemon restart goes into an opaque JSON
-//! value the daemon stores with the sandbox (`tier_state`).
+//! A tier turns a [`SandboxSpec`] into a running agent reachable over one byte stream, and tears it
+//! down again. Each tier implements [`Tier`] with a typed state of its own ([`Tier::State`]): what
+//! it must remember to find its sandbox after a daemon restart. The daemon stores that state as
+//! JSON with the sandbox and holds tiers as [`IsolationTier`] objects whose state is that stored
+//! value: only the tier decodes it (the blanket implementation below), so nothing else depends on
+//! its shape.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 
 use anyhow::Result;
 use moat_api::{Isolation, SandboxLimits, TierInfo};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 pub mod container;
 pub mod gvisor;
@@ -31,26 +37,40 @@ pub struct SandboxSpec {
     pub slot: u32,
     /// Egress policy; None: loopback only.
     pub network: Option<moat_api::NetworkPolicy>,
-    /// Start over the writable layer an earlier instance left ([`IsolationTier::release`]) instead of
+    /// Start over the writable layer an earlier instance left ([`Tier::release`]) instead of
     /// an empty one: a paused sandbox whose processes ended with the host comes back with its files.
     pub keep_files: bool,
-    /// A full-state snapshot's image ([`IsolationTier::checkpoint`]) to continue from: the sandbox's
+    /// A full-state snapshot's image ([`Tier::checkpoint`]) to continue from: the sandbox's
     /// processes go on from where they were, over `layers`. None: the agent starts afresh.
     pub restore: Option<PathBuf>,
 }
 
-/// A full-state snapshot the sandbox's own state rules out (not a failure of the host): the API
-/// answers 409 with this message.
-#[derive(Debug)]
-pub struct CheckpointRefused(pub String);
+/// What a tier's operations fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    /// The sandbox's own state rules the operation out (not a failure of the host): a full-state
+    /// snapshot of a sandbox holding sockets the tier cannot save. The API answers 409.
+    #[error("{0}")]
+    Refused(String),
+    /// The operation is not possible on this tier or host (sandbox networking is off, no runsc).
+    #[error("{0}")]
+    Unsupported(String),
+    /// The host failed, with the cause.
+    #[error("{0:#}")]
+    Failed(#[from] anyhow::Error),
+}
 
-impl std::fmt::Display for CheckpointRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+impl From<tokio::task::JoinError> for TierError {
+    fn from(e: tokio::task::JoinError) -> TierError {
+        TierError::Failed(anyhow::anyhow!("a tier worker thread: {e}"))
     }
 }
 
-impl std::error::Error for CheckpointRefused {}
+impl From<std::io::Error> for TierError {
+    fn from(e: std::io::Error) -> TierError {
+        TierError::Failed(e.into())
+    }
+}
 
 /// What a sandbox uses now.
 #[derive(Debug, Clone, Copy, Default)]
@@ -81,153 +101,309 @@ impl TierUsage {
 
 pub use crate::agent::AgentStream;
 
+/// How a tier differs from the others in ways the lifecycle must know, fixed for the tier's life.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierCapabilities {
+    /// Path inside the sandbox of a read-only file whose `oom_kill N` line counts its OOM kills,
+    /// for the agent to tell an OOM kill from another SIGKILL (and for stats, where the host's
+    /// cgroup does not see the sandbox's processes); None when the tier has none.
+    pub oom_counter_inside: Option<String>,
+    /// The sandbox's processes are not host processes (so a host cgroup cannot count them): the
+    /// agent gives every process it starts RLIMIT_NPROC = the sandbox's `pids` limit.
+    pub process_limit_inside: bool,
+    /// CPU, memory and pids limits are fixed when the sandbox starts (a microVM's vCPUs and RAM):
+    /// a pooled sandbox cannot take other ones.
+    pub limits_fixed_at_start: bool,
+    /// A full-state snapshot ends the connection to the sandbox's agent (the next request makes
+    /// a new one).
+    pub checkpoint_ends_connections: bool,
+}
+
+impl TierCapabilities {
+    /// Whether a sandbox started with `started` can be given `wanted` by `set_limits` (a sandbox
+    /// of the warm pool, started with the defaults, taken by a create asking for others).
+    pub fn can_take_limits(&self, started: &SandboxLimits, wanted: &SandboxLimits) -> bool {
+        let fixed = |l: &SandboxLimits| (l.cpu.to_bits(), l.memory_mb, l.pids);
+        !self.limits_fixed_at_start || fixed(started) == fixed(wanted)
+    }
+}
+
+/// What each tier implements, with its own typed state. Failures are `anyhow` errors with their
+/// cause, except where the sandbox's own state can refuse an operation ([`TierError`]).
 #[async_trait::async_trait]
-pub trait IsolationTier: Send + Sync {
+pub trait Tier: Send + Sync + 'static {
+    /// What the tier keeps of one sandbox (stored as JSON with it).
+    type State: Serialize + DeserializeOwned + Clone + Send + Sync + 'static;
+
     fn isolation(&self) -> Isolation;
 
     /// Whether the tier works on this host, and any note on how it runs.
     fn info(&self) -> TierInfo;
 
-    /// Starts the sandbox; returns the state needed to reach and remove it later.
-    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value>;
+    /// How the tier differs from the others (asked once, at start).
+    fn capabilities(&self) -> TierCapabilities;
 
-    /// A warning about how this sandbox's isolation runs on this host, for its API view (a microVM
-    /// under TCG); None when there is none.
-    fn sandbox_note(&self, _state: &serde_json::Value) -> Option<String> {
+    /// Starts the sandbox; returns the state needed to reach and remove it later.
+    async fn create(&self, spec: &SandboxSpec) -> Result<Self::State>;
+
+    /// A warning about how this sandbox's isolation runs on this host, for its API view (a
+    /// microVM under TCG); None when there is none.
+    fn sandbox_note(&self, _state: &Self::State) -> Option<String> {
         None
     }
 
     /// Opens a new byte stream to the sandbox's agent.
-    async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream>;
+    async fn connect(&self, id: &str, state: &Self::State) -> Result<AgentStream>;
 
-    /// Whether the sandbox described by `state` still runs (used when re-adopting after a restart).
-    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
+    /// Whether the sandbox still runs (used when re-adopting after a restart).
+    async fn is_alive(&self, id: &str, state: &Self::State) -> bool;
 
-    /// Changes the CPU, memory and pids limits of a running sandbox (the others are fixed at create).
-    async fn set_limits(
-        &self,
-        id: &str,
-        state: &serde_json::Value,
-        limits: &SandboxLimits,
-    ) -> Result<()>;
-
-    /// Whether a sandbox started with `started` can be given `wanted` by [`Self::set_limits`] (a
-    /// sandbox of the warm pool, started with the defaults, taken by a create asking for others).
-    /// False where a limit is fixed when the sandbox starts: a microVM's memory and vCPUs.
-    fn can_take_limits(&self, _started: &SandboxLimits, _wanted: &SandboxLimits) -> bool {
-        true
-    }
+    /// Changes the CPU, memory and pids limits of a running sandbox (the others are fixed at
+    /// create).
+    async fn set_limits(&self, id: &str, state: &Self::State, limits: &SandboxLimits)
+        -> Result<()>;
 
     /// Live usage, read on the host.
-    async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage>;
-
-    /// Path inside the sandbox of a read-only file whose `oom_kill N` line counts its OOM kills, for
-    /// the agent to tell an OOM kill from another SIGKILL; None when the tier has none.
-    fn oom_counter_inside(&self) -> Option<String> {
-        None
-    }
-
-    /// Whether the sandbox's processes are not host processes (so a cgroup cannot count them): the
-    /// agent then gives every process it starts RLIMIT_NPROC = the sandbox's `pids` limit.
-    fn process_limit_inside(&self) -> bool {
-        false
-    }
+    async fn usage(&self, id: &str, state: &Self::State) -> Result<TierUsage>;
 
     /// Freezes every process of the sandbox.
-    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()>;
+    async fn pause(&self, id: &str, state: &Self::State) -> Result<()>;
 
     /// Thaws a paused sandbox.
-    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()>;
+    async fn resume(&self, id: &str, state: &Self::State) -> Result<()>;
 
     /// Copies every change the sandbox made to its root filesystem (its writable layer: an overlay
-    /// upper directory, whiteouts included) into the empty directory `dest`, with file owners as the
-    /// template's (root = 0), while the sandbox's processes are frozen (it stays frozen if it was
-    /// paused). Returns how long it was frozen.
+    /// upper directory, whiteouts included) into the empty directory `dest`, with file owners as
+    /// the template's (root = 0), while the sandbox's processes are frozen (it stays frozen if it
+    /// was paused). Returns how long it was frozen.
     async fn export_changes(
         &self,
         id: &str,
-        state: &serde_json::Value,
+        state: &Self::State,
         dest: &std::path::Path,
     ) -> Result<std::time::Duration>;
 
-    /// How many of the sandbox's layers (bottom first) its writable layer sits on; None: all of them.
-    /// Fewer after a microvm full-state restore: the restored VM's disk is the snapshotted VM's
-    /// writable layer, made over the layers below the snapshot's own, so a later snapshot's layer
-    /// (everything that VM changed since its template) replaces the snapshot's layer instead of
-    /// stacking on it.
-    fn layers_under_writable(&self, _state: &serde_json::Value) -> Option<usize> {
+    /// How many of the sandbox's layers (bottom first) its writable layer sits on; None: all of
+    /// them. Fewer after a microvm full-state restore: the restored VM's disk is the snapshotted
+    /// VM's writable layer, made over the layers below the snapshot's own, so a later snapshot's
+    /// layer (everything that VM changed since its template) replaces the snapshot's layer instead
+    /// of stacking on it.
+    fn layers_under_writable(&self, _state: &Self::State) -> Option<usize> {
         None
     }
 
-    /// The host's sandbox network (veth pairs, addresses, nft policy) the tier attaches sandboxes to;
-    /// None with `--network none`.
+    /// The host's sandbox network (veth pairs, addresses, nft policy) the tier attaches sandboxes
+    /// to; None with `--network none`.
     fn host_network(&self) -> Option<&crate::host::net::Network>;
 
-    /// The sandbox's (gateway, address) when the tier gives sandboxes a network.
-    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)> {
-        self.host_network().map(|n| n.addresses(slot))
-    }
+    /// At start-up: (re)installs the network rules with the policies of the live sandboxes of
+    /// every tier (slot → policy) and removes what sandboxes that are gone left.
+    async fn restore_network(&self, live: &BTreeMap<u32, moat_api::NetworkPolicy>) -> Result<()>;
 
-    /// Replaces a running sandbox's egress policy.
-    async fn set_network_policy(&self, slot: u32, policy: &moat_api::NetworkPolicy) -> Result<()> {
-        let Some(net) = self.host_network().cloned() else {
-            anyhow::bail!("sandbox networking is off (moat serve --network none)");
-        };
-        let policy = policy.clone();
-        tokio::task::spawn_blocking(move || net.set_policy(slot, &policy)).await?
-    }
-
-    /// At start-up: (re)installs the network rules with the policies of the live sandboxes of every
-    /// tier (slot → policy) and removes what sandboxes that are gone left.
-    async fn restore_network(
-        &self,
-        live: &std::collections::BTreeMap<u32, moat_api::NetworkPolicy>,
-    ) -> Result<()>;
-
-    /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they can.
+    /// Why full-state (memory) snapshots cannot be taken on this tier and host; None when they
+    /// can.
     fn full_snapshot_unsupported(&self) -> Option<String>;
 
-    /// Whether a full-state snapshot ends the connection to the sandbox's agent (the next request
-    /// then makes a new one).
-    fn checkpoint_ends_connections(&self) -> bool {
-        true
-    }
-
     /// Takes a full-state snapshot: the sandbox's processes and memory go to `image` (an empty
-    /// directory) and the changes of its writable layer to `changes` (as [`Self::export_changes`]),
-    /// both of one instant; the sandbox goes on running (or stays paused). Returns how long its
-    /// processes were stopped and its tier state afterwards, which may have changed.
+    /// directory) and the changes of its writable layer to `changes` (as
+    /// [`Self::export_changes`]), both of one instant; the sandbox goes on running (or stays
+    /// paused). Returns how long its processes were stopped and its state afterwards, which may
+    /// have changed.
     async fn checkpoint(
         &self,
         _id: &str,
-        _state: &serde_json::Value,
+        _state: &Self::State,
         _changes: &std::path::Path,
         _image: &std::path::Path,
-    ) -> Result<(std::time::Duration, serde_json::Value)> {
-        anyhow::bail!(
-            "{}",
+    ) -> Result<(std::time::Duration, Self::State), TierError> {
+        Err(TierError::Unsupported(
             self.full_snapshot_unsupported()
-                .unwrap_or_else(|| "full-state snapshots are not supported".into())
-        )
+                .unwrap_or_else(|| "full-state snapshots are not supported".into()),
+        ))
     }
 
-    /// Removes the instance — processes, cgroup, network, mounts — but keeps its writable layer, for
-    /// a later `create` with `keep_files`. Idempotent; works from the id alone.
-    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()>;
+    /// Removes the instance — processes, cgroup, network, mounts — but keeps its writable layer,
+    /// for a later `create` with `keep_files`. Idempotent; works from the id alone.
+    async fn release(&self, id: &str, state: Option<&Self::State>) -> Result<()>;
 
     /// Kills the sandbox and removes everything it had on the host. Idempotent; works from the id
     /// alone when the state was lost.
-    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()>;
+    async fn destroy(&self, id: &str, state: Option<&Self::State>) -> Result<()>;
 
     /// Removes leftovers of sandboxes that are not in `live` (a crash, a kill -9 mid-create).
     async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>>;
 }
 
-/// Runs a tier's blocking `start` of `spec`; when it fails, removes what it left behind (a sandbox
-/// coming back over its files keeps them: release instead of destroy).
+/// A tier as the lifecycle holds it: every [`Tier`], its state the stored JSON value (opaque
+/// outside the tier), its failures [`TierError`]. See [`Tier`] for what each call does.
+#[async_trait::async_trait]
+pub trait IsolationTier: Send + Sync {
+    fn isolation(&self) -> Isolation;
+    fn info(&self) -> TierInfo;
+    fn capabilities(&self) -> TierCapabilities;
+    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value, TierError>;
+    fn sandbox_note(&self, state: &serde_json::Value) -> Option<String>;
+    async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError>;
+    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
+    async fn set_limits(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        limits: &SandboxLimits,
+    ) -> Result<(), TierError>;
+    async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage, TierError>;
+    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError>;
+    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError>;
+    async fn export_changes(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        dest: &std::path::Path,
+    ) -> Result<std::time::Duration, TierError>;
+    fn layers_under_writable(&self, state: &serde_json::Value) -> Option<usize>;
+    /// The sandbox's (gateway, address) when the tier gives sandboxes a network.
+    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)>;
+    /// Replaces a running sandbox's egress policy.
+    async fn set_network_policy(
+        &self,
+        slot: u32,
+        policy: &moat_api::NetworkPolicy,
+    ) -> Result<(), TierError>;
+    async fn restore_network(
+        &self,
+        live: &BTreeMap<u32, moat_api::NetworkPolicy>,
+    ) -> Result<(), TierError>;
+    fn full_snapshot_unsupported(&self) -> Option<String>;
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        changes: &std::path::Path,
+        image: &std::path::Path,
+    ) -> Result<(std::time::Duration, serde_json::Value), TierError>;
+    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<(), TierError>;
+    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<(), TierError>;
+    async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>, TierError>;
+}
+
+/// A stored state decoded as tier `T`'s.
+fn decode<T: Tier>(v: &serde_json::Value) -> Result<T::State, TierError> {
+    serde_json::from_value(v.clone())
+        .map_err(|e| TierError::Failed(anyhow::anyhow!("the stored tier state: {e}")))
+}
+
+fn encode<S: Serialize>(s: &S) -> Result<serde_json::Value, TierError> {
+    serde_json::to_value(s)
+        .map_err(|e| TierError::Failed(anyhow::anyhow!("encode tier state: {e}")))
+}
+
+#[async_trait::async_trait]
+impl<T: Tier> IsolationTier for T {
+    fn isolation(&self) -> Isolation {
+        Tier::isolation(self)
+    }
+    fn info(&self) -> TierInfo {
+        Tier::info(self)
+    }
+    fn capabilities(&self) -> TierCapabilities {
+        Tier::capabilities(self)
+    }
+    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value, TierError> {
+        encode(&Tier::create(self, spec).await?)
+    }
+    fn sandbox_note(&self, state: &serde_json::Value) -> Option<String> {
+        Tier::sandbox_note(self, &decode::<T>(state).ok()?)
+    }
+    async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError> {
+        Ok(Tier::connect(self, id, &decode::<T>(state)?).await?)
+    }
+    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool {
+        match decode::<T>(state) {
+            Ok(s) => Tier::is_alive(self, id, &s).await,
+            Err(_) => false,
+        }
+    }
+    async fn set_limits(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        limits: &SandboxLimits,
+    ) -> Result<(), TierError> {
+        Ok(Tier::set_limits(self, id, &decode::<T>(state)?, limits).await?)
+    }
+    async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage, TierError> {
+        Ok(Tier::usage(self, id, &decode::<T>(state)?).await?)
+    }
+    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError> {
+        Ok(Tier::pause(self, id, &decode::<T>(state)?).await?)
+    }
+    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError> {
+        Ok(Tier::resume(self, id, &decode::<T>(state)?).await?)
+    }
+    async fn export_changes(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        dest: &std::path::Path,
+    ) -> Result<std::time::Duration, TierError> {
+        Ok(Tier::export_changes(self, id, &decode::<T>(state)?, dest).await?)
+    }
+    fn layers_under_writable(&self, state: &serde_json::Value) -> Option<usize> {
+        Tier::layers_under_writable(self, &decode::<T>(state).ok()?)
+    }
+    fn network_addresses(&self, slot: u32) -> Option<(std::net::Ipv4Addr, std::net::Ipv4Addr)> {
+        self.host_network().map(|n| n.addresses(slot))
+    }
+    async fn set_network_policy(
+        &self,
+        slot: u32,
+        policy: &moat_api::NetworkPolicy,
+    ) -> Result<(), TierError> {
+        let Some(net) = self.host_network().cloned() else {
+            return Err(TierError::Unsupported(
+                "sandbox networking is off (moat serve --network none)".into(),
+            ));
+        };
+        let policy = policy.clone();
+        Ok(tokio::task::spawn_blocking(move || net.set_policy(slot, &policy)).await??)
+    }
+    async fn restore_network(
+        &self,
+        live: &BTreeMap<u32, moat_api::NetworkPolicy>,
+    ) -> Result<(), TierError> {
+        Ok(Tier::restore_network(self, live).await?)
+    }
+    fn full_snapshot_unsupported(&self) -> Option<String> {
+        Tier::full_snapshot_unsupported(self)
+    }
+    async fn checkpoint(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        changes: &std::path::Path,
+        image: &std::path::Path,
+    ) -> Result<(std::time::Duration, serde_json::Value), TierError> {
+        let state = decode::<T>(state)?;
+        let (took, state) = Tier::checkpoint(self, id, &state, changes, image).await?;
+        Ok((took, encode(&state)?))
+    }
+    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<(), TierError> {
+        // A state that does not decode is as good as none: release works from the id alone.
+        let state = state.and_then(|s| decode::<T>(s).ok());
+        Ok(Tier::release(self, id, state.as_ref()).await?)
+    }
+    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<(), TierError> {
+        let state = state.and_then(|s| decode::<T>(s).ok());
+        Ok(Tier::destroy(self, id, state.as_ref()).await?)
+    }
+    async fn sweep(&self, live: &HashSet<String>) -> Result<Vec<String>, TierError> {
+        Ok(Tier::sweep(self, live).await?)
+    }
+}
+
 /// The start-up sweep's last step on every tier: destroys each of `names` (sandbox directories or
 /// runtime ids found on the host) that no live sandbox owns, and returns those it removed.
-pub(crate) async fn destroy_unowned<T: IsolationTier + ?Sized>(
+pub(crate) async fn destroy_unowned<T: Tier + ?Sized>(
     tier: &T,
     names: Vec<String>,
     live: &HashSet<String>,
@@ -243,30 +419,29 @@ pub(crate) async fn destroy_unowned<T: IsolationTier + ?Sized>(
     Ok(removed)
 }
 
+/// Runs a tier's blocking `start` of `spec`; when it fails, removes what it left behind (a sandbox
+/// coming back over its files keeps them: release instead of destroy).
 pub(crate) async fn start_or_clean<T, S>(
     tier: &T,
     spec: &SandboxSpec,
     start: impl FnOnce() -> Result<S> + Send + 'static,
-) -> Result<serde_json::Value>
+) -> Result<S>
 where
-    T: IsolationTier + ?Sized,
-    S: serde::Serialize + Send + 'static,
+    T: Tier + ?Sized,
+    S: Send + 'static,
 {
     let t = std::time::Instant::now();
     let res = tokio::task::spawn_blocking(start).await?;
     tracing::debug!(sandbox = %spec.id, tier = tier.isolation().as_str(), took = ?t.elapsed(), ok = res.is_ok(), "sandbox started");
-    match res {
-        Ok(state) => Ok(serde_json::to_value(state)?),
-        Err(e) => {
-            let cleanup = if spec.keep_files {
-                tier.release(&spec.id, None).await
-            } else {
-                tier.destroy(&spec.id, None).await
-            };
-            if let Err(c) = cleanup {
-                tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
-            }
-            Err(e)
+    if res.is_err() {
+        let cleanup = if spec.keep_files {
+            tier.release(&spec.id, None).await
+        } else {
+            tier.destroy(&spec.id, None).await
+        };
+        if let Err(c) = cleanup {
+            tracing::warn!(sandbox = %spec.id, "cleanup after failed create: {c:#}");
         }
     }
+    res
 }

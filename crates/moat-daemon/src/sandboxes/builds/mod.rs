@@ -116,11 +116,11 @@ impl Sandboxes {
 
     /// A new build id and its (empty) directory, for the API to store a build context in before the
     /// build starts.
-    pub fn new_build_dir(&self) -> ApiResult<(String, std::path::PathBuf)> {
+    pub fn new_build_dir(&self) -> Result<(String, std::path::PathBuf), Error> {
         let id = crate::ids::new_id("bld");
         let dir = self.build_dir(&id);
         std::fs::create_dir_all(&dir)
-            .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+            .map_err(|e| Error::internal(format!("create {}: {e}", dir.display())))?;
         Ok((id, dir))
     }
 
@@ -133,7 +133,7 @@ impl Sandboxes {
         mut spec: TemplateSpec,
         context: bool,
         no_cache: bool,
-    ) -> ApiResult<Arc<LiveBuild>> {
+    ) -> Result<Arc<LiveBuild>, Error> {
         let dir = self.build_dir(&id);
         let started = self
             .prepare_build(&id, template, &mut spec, context, no_cache)
@@ -151,8 +151,8 @@ impl Sandboxes {
         spec: &mut TemplateSpec,
         context: bool,
         no_cache: bool,
-    ) -> ApiResult<Arc<LiveBuild>> {
-        moat_api::validate_template_name(template).map_err(|m| ApiError::invalid("name", m))?;
+    ) -> Result<Arc<LiveBuild>, Error> {
+        moat_api::validate_template_name(template).map_err(|m| Error::invalid("name", m))?;
         spec::check(spec)?;
         if !context {
             if let Some(i) = spec
@@ -160,7 +160,7 @@ impl Sandboxes {
                 .iter()
                 .position(|s| matches!(s, BuildStep::Copy(_)))
             {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     &format!("spec.steps[{i}].copy"),
                     "copy steps need a build context: send the spec and its files as a tar (`moat template build NAME -f moat.toml` does)",
                 ));
@@ -169,7 +169,7 @@ impl Sandboxes {
         let existing = self.db.get_template(template)?;
         if let Some(t) = &existing {
             if t.source != TemplateSource::Spec && t.status != TemplateStatus::Failed {
-                return Err(ApiError::conflict(format!(
+                return Err(Error::conflict(format!(
                     "template {template} is not built from a spec (it is a {} template); remove it first or build under another name",
                     serde_json::to_value(t.source).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
                 )));
@@ -177,14 +177,14 @@ impl Sandboxes {
         }
         if let Some(base) = &spec.from.template {
             if base == template {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     "spec.from.template",
                     format!("template {template} cannot start from itself"),
                 ));
             }
             match self.db.get_template(base)? {
                 None if base != crate::template::store::BASE => {
-                    return Err(ApiError::invalid(
+                    return Err(Error::invalid(
                         "spec.from.template",
                         format!("template {base} not found"),
                     ))
@@ -193,7 +193,7 @@ impl Sandboxes {
                     if t.status != TemplateStatus::Ready
                         && base != crate::template::store::BASE =>
                 {
-                    return Err(ApiError::invalid(
+                    return Err(Error::invalid(
                         "spec.from.template",
                         format!(
                             "template {base} is not ready ({})",
@@ -207,9 +207,9 @@ impl Sandboxes {
         let isolation = spec.build.isolation.unwrap_or(self.args.default_isolation);
         let tier = self
             .tier(isolation)
-            .map_err(|e| ApiError::invalid("spec.build.isolation", e.0.error.message))?;
+            .map_err(|e| Error::invalid("spec.build.isolation", e.to_string()))?;
         if !tier.info().available {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "spec.build.isolation",
                 format!(
                     "isolation {} is not available on this host: {}",
@@ -229,7 +229,7 @@ impl Sandboxes {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some(other) = builds.values().find(|b| b.template == template) {
-                return Err(ApiError::conflict(format!(
+                return Err(Error::conflict(format!(
                     "template {template} is being built (build {}); wait for it or cancel it",
                     other.id
                 )));
@@ -238,7 +238,7 @@ impl Sandboxes {
                 .create(true)
                 .append(true)
                 .open(self.build_dir(id).join("events.ndjson"))
-                .map_err(|e| ApiError::internal(format!("build log: {e}")))?;
+                .map_err(|e| Error::internal(format!("build log: {e}")))?;
             let live = Arc::new(LiveBuild {
                 id: id.to_string(),
                 template: template.to_string(),
@@ -306,17 +306,17 @@ impl Sandboxes {
             .cloned()
     }
 
-    pub fn get_build(&self, id: &str) -> ApiResult<Build> {
+    pub fn get_build(&self, id: &str) -> Result<Build, Error> {
         if !crate::ids::valid_id("bld", id) {
-            return Err(ApiError::not_found("id", format!("build {id:?} not found")));
+            return Err(Error::not_found("id", format!("build {id:?} not found")));
         }
         self.db
             .get_build(id)?
             .map(|b| build_to_api(&b))
-            .ok_or_else(|| ApiError::not_found("id", format!("build {id} not found")))
+            .ok_or_else(|| Error::not_found("id", format!("build {id} not found")))
     }
 
-    pub fn list_builds(&self, template: Option<&str>, limit: u32) -> ApiResult<Vec<Build>> {
+    pub fn list_builds(&self, template: Option<&str>, limit: u32) -> Result<Vec<Build>, Error> {
         Ok(self
             .db
             .list_builds(template, limit)?
@@ -326,21 +326,21 @@ impl Sandboxes {
     }
 
     /// The event log of a finished build.
-    pub fn build_events_file(&self, id: &str) -> ApiResult<std::path::PathBuf> {
+    pub fn build_events_file(&self, id: &str) -> Result<std::path::PathBuf, Error> {
         self.get_build(id)?;
         Ok(self.build_dir(id).join("events.ndjson"))
     }
 
     /// Asks a running build to stop: its running step is killed, its sandbox removed, and the
     /// template stays as it was.
-    pub fn cancel_build(&self, id: &str) -> ApiResult<Build> {
+    pub fn cancel_build(&self, id: &str) -> Result<Build, Error> {
         let b = self.get_build(id)?;
         match self.live_build(id) {
             Some(live) => {
                 live.cancel.cancel();
                 Ok(b)
             }
-            None => Err(ApiError::conflict(format!(
+            None => Err(Error::conflict(format!(
                 "build {id} is {}, not running",
                 b.status.as_str()
             ))),
@@ -348,7 +348,7 @@ impl Sandboxes {
     }
 
     /// Empties the build cache and removes the layers only it held.
-    pub fn prune_build_cache(&self) -> ApiResult<moat_api::PruneResult> {
+    pub fn prune_build_cache(&self) -> Result<moat_api::PruneResult, Error> {
         let entries = {
             let _g = self
                 .layer_lock
@@ -709,10 +709,7 @@ impl Sandboxes {
                 .build_sandbox(&rec.id, &rec.template, index, &spec, stack.clone())
                 .await
                 .map_err(|e| {
-                    Failure::at(
-                        index,
-                        format!("step {index} (start check) failed: {}", e.0.error.message),
-                    )
+                    Failure::at(index, format!("step {index} (start check) failed: {}", e))
                 })?;
             self.destroy_quietly(sbx).await;
             let ms = t.elapsed().as_millis() as u64;
@@ -753,7 +750,7 @@ impl Sandboxes {
         // Pooled sandboxes of the previous version would be handed out from now on: replace them.
         if self.pool_serves(&t.name, self.args.default_isolation) {
             if let Err(e) = self.drain_pool(&t.name).await {
-                tracing::warn!(template = %t.name, "drain the warm pool after a build: {}", e.0);
+                tracing::warn!(template = %t.name, "drain the warm pool after a build: {e}");
             }
             self.resume_pool();
         }
@@ -774,7 +771,7 @@ impl Sandboxes {
                 .templates
                 .ensure(&self.db, name)
                 .await
-                .map_err(|e| e.0.error.message)?;
+                .map_err(|e| e.to_string())?;
             if t.source == TemplateSource::Spec {
                 let identity = format!(
                     "spec:{}:{}:{}",

@@ -31,7 +31,7 @@ impl Sandboxes {
         let sbx = self
             .build_sandbox(&rec.id, &rec.template, index, spec, bare)
             .await
-            .map_err(|e| e.0.error.message)?;
+            .map_err(|e| e.to_string())?;
         let result = self
             .step_in(live, index, spec, step, &sbx, state, copy, key)
             .await;
@@ -51,7 +51,7 @@ impl Sandboxes {
         copy: Option<&CopySource>,
         key: &str,
     ) -> Result<Option<(String, u64)>, String> {
-        let agent = self.agent(&sbx.id).await.map_err(|e| e.0.error.message)?;
+        let agent = self.agent(&sbx.id).await.map_err(|e| e.to_string())?;
         let timeout = spec.build.step_timeout.unwrap_or(DEFAULT_STEP_TIMEOUT) as f64;
         // The network the step needs: its registry, or what the spec allows `run` steps.
         if sbx.network.is_some() {
@@ -96,7 +96,7 @@ impl Sandboxes {
                 };
                 self.set_network(&sbx.id, policy)
                     .await
-                    .map_err(|e| format!("network policy: {}", e.0.error.message))?;
+                    .map_err(|e| format!("network policy: {e}"))?;
             }
         } else if matches!(
             step,
@@ -180,7 +180,7 @@ impl Sandboxes {
             }
         }
         // What the step changed, as a layer.
-        let tier = self.tier(sbx.isolation).map_err(|e| e.0.error.message)?;
+        let tier = self.tier(sbx.isolation).map_err(|e| e.to_string())?;
         let state_json = sbx.tier_state.clone().unwrap_or_default();
         let scratch = self.layers.scratch().map_err(|e| format!("{e:#}"))?;
         if let Err(e) = tier.export_changes(&sbx.id, &state_json, &scratch).await {
@@ -217,7 +217,7 @@ impl Sandboxes {
         index: u32,
         spec: &TemplateSpec,
         stack: Stack,
-    ) -> ApiResult<SandboxRecord> {
+    ) -> Result<SandboxRecord, Error> {
         let isolation = spec.build.isolation.unwrap_or(self.args.default_isolation);
         let tier = self.tier(isolation)?;
         let root = stack.root.clone();

@@ -27,7 +27,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use moat_api::{Isolation, TierInfo};
 use serde::{Deserialize, Serialize};
 
-use super::{AgentStream, IsolationTier, SandboxSpec, TierUsage};
+use super::{AgentStream, SandboxSpec, Tier, TierCapabilities, TierUsage};
 use crate::host::cgroup::{CgroupLayout, Limits};
 use crate::host::{mount, proc};
 
@@ -354,12 +354,10 @@ pub(crate) fn reap(pid: u32) {
     }
 }
 
-fn parse_state(v: &serde_json::Value) -> Result<ContainerState> {
-    serde_json::from_value(v.clone()).context("container tier state")
-}
-
 #[async_trait::async_trait]
-impl IsolationTier for ContainerTier {
+impl Tier for ContainerTier {
+    type State = ContainerState;
+
     fn isolation(&self) -> Isolation {
         Isolation::Container
     }
@@ -375,13 +373,22 @@ impl IsolationTier for ContainerTier {
         }
     }
 
-    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
+    fn capabilities(&self) -> TierCapabilities {
+        TierCapabilities {
+            oom_counter_inside: Some(OOM_COUNTER_INSIDE.to_string()),
+            process_limit_inside: false,
+            limits_fixed_at_start: false,
+            checkpoint_ends_connections: true,
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<ContainerState> {
         let this = self.clone_handle();
         let spec2 = spec.clone();
         super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
-    async fn connect(&self, id: &str, _state: &serde_json::Value) -> Result<AgentStream> {
+    async fn connect(&self, id: &str, _state: &ContainerState) -> Result<AgentStream> {
         let path = self.dir(id).join("agent.sock");
         let s = tokio::net::UnixStream::connect(&path)
             .await
@@ -389,20 +396,20 @@ impl IsolationTier for ContainerTier {
         Ok(Box::pin(s))
     }
 
-    async fn is_alive(&self, _id: &str, state: &serde_json::Value) -> bool {
-        parse_state(state).is_ok_and(|s| proc::is_same_process(s.agent_pid, s.agent_start_ticks))
+    async fn is_alive(&self, _id: &str, state: &ContainerState) -> bool {
+        proc::is_same_process(state.agent_pid, state.agent_start_ticks)
     }
 
     async fn set_limits(
         &self,
         id: &str,
-        _state: &serde_json::Value,
+        _state: &ContainerState,
         limits: &moat_api::SandboxLimits,
     ) -> Result<()> {
         self.cgroups.create(id, &cgroup_limits(limits))
     }
 
-    async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
+    async fn usage(&self, id: &str, _state: &ContainerState) -> Result<TierUsage> {
         let this = self.clone_handle();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -414,25 +421,21 @@ impl IsolationTier for ContainerTier {
         .await?
     }
 
-    fn oom_counter_inside(&self) -> Option<String> {
-        Some(OOM_COUNTER_INSIDE.to_string())
-    }
-
-    async fn pause(&self, id: &str, _state: &serde_json::Value) -> Result<()> {
+    async fn pause(&self, id: &str, _state: &ContainerState) -> Result<()> {
         self.cgroups.set_frozen(id, true)
     }
 
-    async fn resume(&self, id: &str, _state: &serde_json::Value) -> Result<()> {
+    async fn resume(&self, id: &str, _state: &ContainerState) -> Result<()> {
         self.cgroups.set_frozen(id, false)
     }
 
     async fn export_changes(
         &self,
         id: &str,
-        state: &serde_json::Value,
+        state: &ContainerState,
         dest: &Path,
     ) -> Result<Duration> {
-        let state = parse_state(state)?;
+        let state = state.clone();
         let this = self.clone_handle();
         let id = id.to_string();
         let dest = dest.to_path_buf();
@@ -467,15 +470,15 @@ impl IsolationTier for ContainerTier {
         .await?
     }
 
-    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
-        let state = state.and_then(|s| parse_state(s).ok());
+    async fn destroy(&self, id: &str, state: Option<&ContainerState>) -> Result<()> {
+        let state = state.cloned();
         let this = self.clone_handle();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
     }
 
-    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
-        let state = state.and_then(|s| parse_state(s).ok());
+    async fn release(&self, id: &str, state: Option<&ContainerState>) -> Result<()> {
+        let state = state.cloned();
         let this = self.clone_handle();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || this.release_blocking(&id, state)).await?

@@ -29,7 +29,7 @@ use moat_api::{Isolation, TierInfo};
 use oci_spec::runtime as oci;
 use serde::{Deserialize, Serialize};
 
-use super::{AgentStream, IsolationTier, SandboxSpec, TierUsage};
+use super::{AgentStream, SandboxSpec, Tier, TierCapabilities, TierError, TierUsage};
 use crate::host::cgroup::{CgroupLayout, Limits};
 use crate::host::{caps, mount, proc};
 
@@ -660,7 +660,7 @@ impl GvisorTier {
         state: &GvisorState,
         changes: &Path,
         image: &Path,
-    ) -> Result<(Duration, GvisorState)> {
+    ) -> Result<(Duration, GvisorState), TierError> {
         let marker = self.dir(id).join(CHECKPOINTING);
         std::fs::File::create(&marker).context("create the checkpoint marker")?;
         let res = self.checkpoint_inner(id, state, changes, image);
@@ -674,7 +674,7 @@ impl GvisorTier {
         state: &GvisorState,
         changes: &Path,
         image: &Path,
-    ) -> Result<(Duration, GvisorState)> {
+    ) -> Result<(Duration, GvisorState), TierError> {
         let networked = state.net_slot.is_some();
         let dir = self.dir(id);
         let sock = dir.join("sock").join(SOCK_NAME);
@@ -683,7 +683,8 @@ impl GvisorTier {
             serde_json::to_vec(&ImageMeta {
                 agent: self.agent.clone(),
                 runsc: self.runsc()?.version.clone(),
-            })?,
+            })
+            .context("encode the image description")?,
         )
         .context("write the image description")?;
         let was_paused = self.cgroups.is_frozen(id);
@@ -737,13 +738,16 @@ impl GvisorTier {
         }
         if let Some(paths) = refusal.filter(|_| !let_go) {
             repause(self)?;
-            return Err(refused_for_sockets(id, &paths).into());
+            return Err(refused_for_sockets(id, &paths));
         }
         remove_if_exists(&sock)?;
         if !answered || !let_go {
             let _ = self.wake_agent(id, networked);
             repause(self)?;
-            bail!("the sandbox's agent did not let go of its socket for the checkpoint");
+            return Err(anyhow!(
+                "the sandbox's agent did not let go of its socket for the checkpoint"
+            )
+            .into());
         }
         let started = std::time::Instant::now();
         // A checkpoint that fails ends the sandbox (this runsc's Sentry exits, or exits when
@@ -765,7 +769,7 @@ impl GvisorTier {
             .collect();
         if !new.is_empty() {
             resume_and_wake(self)?;
-            return Err(refused_for_sockets(id, &new.join("\n")).into());
+            return Err(refused_for_sockets(id, &new.join("\n")));
         }
         let out = self
             .command(networked)?
@@ -781,7 +785,7 @@ impl GvisorTier {
             let _ = resume_and_wake(self);
             // runsc's message ends with a dump of the object it could not save: keep its head.
             let msg: String = last_line(&stderr).chars().take(400).collect();
-            bail!("runsc checkpoint: {msg}");
+            return Err(anyhow!("runsc checkpoint: {msg}").into());
         }
         // The checkpointed Sentry would end when resumed: end it (and the gofer) now, and drop
         // runsc's record of the container; the cgroup, network and mounts stay for the restore.
@@ -833,14 +837,14 @@ unsafe fn hide_proc_sys_net() -> bool {
 
 /// The answer to a full-state snapshot of a sandbox holding Unix sockets bound to files (`paths`,
 /// one per line, as the agent wrote them: shown escaped and bounded).
-fn refused_for_sockets(id: &str, paths: &str) -> super::CheckpointRefused {
+fn refused_for_sockets(id: &str, paths: &str) -> TierError {
     let shown: Vec<String> = paths
         .lines()
         .filter(|l| !l.is_empty())
         .take(8)
         .map(|l| format!("{:?}", l.chars().take(200).collect::<String>()))
         .collect();
-    super::CheckpointRefused(format!(
+    TierError::Refused(format!(
         "processes in sandbox {id} hold Unix sockets bound to files ({}): on gvisor those are host sockets, which runsc cannot save; close them, or bind abstract sockets or sockets on a tmpfs, for a full-state snapshot, or take a filesystem snapshot",
         shown.join(", ")
     ))
@@ -944,12 +948,10 @@ fn last_line(text: &str) -> String {
         .to_string()
 }
 
-fn parse_state(v: &serde_json::Value) -> Result<GvisorState> {
-    serde_json::from_value(v.clone()).context("gvisor tier state")
-}
-
 #[async_trait::async_trait]
-impl IsolationTier for GvisorTier {
+impl Tier for GvisorTier {
+    type State = GvisorState;
+
     fn isolation(&self) -> Isolation {
         Isolation::Gvisor
     }
@@ -965,18 +967,23 @@ impl IsolationTier for GvisorTier {
         }
     }
 
-    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
+    fn capabilities(&self) -> TierCapabilities {
+        TierCapabilities {
+            oom_counter_inside: None,
+            // The Sentry enforces RLIMIT_NPROC; the host cgroup only bounds its own threads.
+            process_limit_inside: true,
+            limits_fixed_at_start: false,
+            checkpoint_ends_connections: true,
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<GvisorState> {
         let this = self.clone();
         let spec2 = spec.clone();
         super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
-    fn process_limit_inside(&self) -> bool {
-        // The Sentry enforces RLIMIT_NPROC; the host cgroup only bounds its own threads.
-        true
-    }
-
-    async fn connect(&self, id: &str, _state: &serde_json::Value) -> Result<AgentStream> {
+    async fn connect(&self, id: &str, _state: &GvisorState) -> Result<AgentStream> {
         // The socket's directory is writable from inside the sandbox: open the name without following
         // a symlink, check it is a socket, and connect through the descriptor, so a hostile sandbox
         // cannot point the daemon at another socket of the host.
@@ -1002,21 +1009,20 @@ impl IsolationTier for GvisorTier {
         Ok(Box::pin(s))
     }
 
-    async fn is_alive(&self, _id: &str, state: &serde_json::Value) -> bool {
-        parse_state(state)
-            .is_ok_and(|s| proc::is_same_process(s.sandbox_pid, s.sandbox_start_ticks))
+    async fn is_alive(&self, _id: &str, state: &GvisorState) -> bool {
+        proc::is_same_process(state.sandbox_pid, state.sandbox_start_ticks)
     }
 
     async fn set_limits(
         &self,
         id: &str,
-        _state: &serde_json::Value,
+        _state: &GvisorState,
         limits: &moat_api::SandboxLimits,
     ) -> Result<()> {
         self.cgroups.create(id, &cgroup_limits(limits))
     }
 
-    async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
+    async fn usage(&self, id: &str, _state: &GvisorState) -> Result<TierUsage> {
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -1028,8 +1034,8 @@ impl IsolationTier for GvisorTier {
         .await?
     }
 
-    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()> {
-        let networked = parse_state(state)?.net_slot.is_some();
+    async fn pause(&self, id: &str, state: &GvisorState) -> Result<()> {
+        let networked = state.net_slot.is_some();
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -1044,8 +1050,8 @@ impl IsolationTier for GvisorTier {
         .await?
     }
 
-    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()> {
-        let networked = parse_state(state)?.net_slot.is_some();
+    async fn resume(&self, id: &str, state: &GvisorState) -> Result<()> {
+        let networked = state.net_slot.is_some();
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -1069,13 +1075,8 @@ impl IsolationTier for GvisorTier {
         .await?
     }
 
-    async fn export_changes(
-        &self,
-        id: &str,
-        state: &serde_json::Value,
-        dest: &Path,
-    ) -> Result<Duration> {
-        let state = parse_state(state)?;
+    async fn export_changes(&self, id: &str, state: &GvisorState, dest: &Path) -> Result<Duration> {
+        let state = state.clone();
         let this = self.clone();
         let id = id.to_string();
         let dest = dest.to_path_buf();
@@ -1091,19 +1092,16 @@ impl IsolationTier for GvisorTier {
     async fn checkpoint(
         &self,
         id: &str,
-        state: &serde_json::Value,
+        state: &GvisorState,
         changes: &Path,
         image: &Path,
-    ) -> Result<(Duration, serde_json::Value)> {
-        let state = parse_state(state)?;
+    ) -> Result<(Duration, GvisorState), TierError> {
+        let state = state.clone();
         let this = self.clone();
         let id = id.to_string();
         let (changes, image) = (changes.to_path_buf(), image.to_path_buf());
-        let (took, state) = tokio::task::spawn_blocking(move || {
-            this.checkpoint_blocking(&id, &state, &changes, &image)
-        })
-        .await??;
-        Ok((took, serde_json::to_value(state)?))
+        tokio::task::spawn_blocking(move || this.checkpoint_blocking(&id, &state, &changes, &image))
+            .await?
     }
 
     fn host_network(&self) -> Option<&crate::host::net::Network> {
@@ -1116,15 +1114,15 @@ impl IsolationTier for GvisorTier {
         Ok(())
     }
 
-    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
-        let state = state.and_then(|s| parse_state(s).ok());
+    async fn destroy(&self, id: &str, state: Option<&GvisorState>) -> Result<()> {
+        let state = state.cloned();
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
     }
 
-    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
-        let state = state.and_then(|s| parse_state(s).ok());
+    async fn release(&self, id: &str, state: Option<&GvisorState>) -> Result<()> {
+        let state = state.cloned();
         let this = self.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || this.release_blocking(&id, state)).await?

@@ -32,7 +32,7 @@ use moat_api::{Isolation, TierInfo};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{AgentStream, IsolationTier, SandboxSpec, TierUsage};
+use super::{AgentStream, SandboxSpec, Tier, TierCapabilities, TierError, TierUsage};
 use crate::host::cgroup::{CgroupLayout, Limits};
 use crate::host::proc;
 
@@ -169,10 +169,6 @@ fn find_qemu() -> Option<PathBuf> {
     .into_iter()
     .map(PathBuf::from)
     .find(|p| p.is_file())
-}
-
-fn parse_state(v: &serde_json::Value) -> Result<MicrovmState> {
-    serde_json::from_value(v.clone()).context("microvm tier state")
 }
 
 fn tail(text: &str, lines: usize) -> String {
@@ -791,23 +787,13 @@ impl MicrovmTier {
         super::layer::remove_all_but_layer(&self.dir(id))
     }
 
-    fn qmp_blocking(
-        &self,
-        id: &str,
-        state: &serde_json::Value,
-        command: &'static str,
-    ) -> Result<()> {
-        let s = parse_state(state)?;
+    fn qmp_blocking(&self, id: &str, state: &MicrovmState, command: &'static str) -> Result<()> {
+        let s = state.clone();
         self.qmp(id, s.uid)?.execute(command, json!({}))?;
         Ok(())
     }
 
-    async fn qmp_async(
-        &self,
-        id: &str,
-        state: &serde_json::Value,
-        command: &'static str,
-    ) -> Result<()> {
+    async fn qmp_async(&self, id: &str, state: &MicrovmState, command: &'static str) -> Result<()> {
         let (this, id, state) = (self.clone(), id.to_string(), state.clone());
         tokio::task::spawn_blocking(move || this.qmp_blocking(&id, &state, command)).await?
     }
@@ -1261,7 +1247,9 @@ fn qemu_args(a: &QemuArgs) -> Vec<String> {
 }
 
 #[async_trait::async_trait]
-impl IsolationTier for MicrovmTier {
+impl Tier for MicrovmTier {
+    type State = MicrovmState;
+
     fn isolation(&self) -> Isolation {
         Isolation::Microvm
     }
@@ -1282,7 +1270,21 @@ impl IsolationTier for MicrovmTier {
         }
     }
 
-    async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value> {
+    fn capabilities(&self) -> TierCapabilities {
+        TierCapabilities {
+            // The sandbox's processes run in a cgroup inside the guest; the host's counts QEMU's.
+            oom_counter_inside: Some(format!("{}/memory.events", moat_api::guest::SANDBOX_CGROUP)),
+            // The guest's processes are no host processes.
+            process_limit_inside: true,
+            // Guest RAM and vCPUs are the VM's own, fixed at boot, and so are the guest's inner
+            // cgroup limits (memory, CPU fraction, processes): a create asking for others boots a
+            // VM of its own.
+            limits_fixed_at_start: true,
+            checkpoint_ends_connections: false,
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<MicrovmState> {
         let _boot = self
             .boot_gate
             .acquire()
@@ -1292,7 +1294,7 @@ impl IsolationTier for MicrovmTier {
         let spec2 = spec.clone();
         let state = super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await?;
         self.ports.mark_clean(&spec.id);
-        let t = self.control(&spec.id, parse_state(&state)?.uid);
+        let t = self.control(&spec.id, state.uid);
         let up = async {
             // The guest's wall clock: the host's (under TCG the guest has none; a restored guest's
             // is the snapshot's).
@@ -1326,12 +1328,8 @@ impl IsolationTier for MicrovmTier {
         Ok(state)
     }
 
-    fn process_limit_inside(&self) -> bool {
-        true
-    }
-
-    fn sandbox_note(&self, state: &serde_json::Value) -> Option<String> {
-        let s = parse_state(state).ok()?;
+    fn sandbox_note(&self, state: &MicrovmState) -> Option<String> {
+        let s = state;
         (s.accel == Accel::Tcg).then(|| {
             // The tier's own note says why (the KVM probe's finding, or --microvm-accel tcg).
             match self.accel.lock().ok().and_then(|a| a.clone()) {
@@ -1341,12 +1339,8 @@ impl IsolationTier for MicrovmTier {
         })
     }
 
-    fn oom_counter_inside(&self) -> Option<String> {
-        Some(format!("{}/memory.events", moat_api::guest::SANDBOX_CGROUP))
-    }
-
-    async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream> {
-        let s = parse_state(state)?;
+    async fn connect(&self, id: &str, state: &MicrovmState) -> Result<AgentStream> {
+        let s = state.clone();
         let run = self.dir(id).join("run");
         let (ports, id) = (self.ports.clone(), id.to_string());
         let std = tokio::task::spawn_blocking(move || {
@@ -1358,32 +1352,21 @@ impl IsolationTier for MicrovmTier {
         Ok(Box::pin(tokio::net::UnixStream::from_std(std)?))
     }
 
-    async fn is_alive(&self, _id: &str, state: &serde_json::Value) -> bool {
-        parse_state(state).is_ok_and(|s| proc::is_same_process(s.qemu_pid, s.qemu_start_ticks))
+    async fn is_alive(&self, _id: &str, state: &MicrovmState) -> bool {
+        proc::is_same_process(state.qemu_pid, state.qemu_start_ticks)
     }
 
     async fn set_limits(
         &self,
         id: &str,
-        _state: &serde_json::Value,
+        _state: &MicrovmState,
         limits: &moat_api::SandboxLimits,
     ) -> Result<()> {
         // CPU time is the host cgroup's; guest memory and vCPUs are fixed when the VM boots.
         self.cgroups.create(id, &Self::cgroup_limits(limits))
     }
 
-    fn can_take_limits(
-        &self,
-        started: &moat_api::SandboxLimits,
-        wanted: &moat_api::SandboxLimits,
-    ) -> bool {
-        // Guest RAM and vCPUs are the VM's own, fixed at boot, and so are the guest's inner cgroup
-        // limits (memory, CPU fraction, processes): a create asking for others boots a VM of its own.
-        let fixed = |l: &moat_api::SandboxLimits| (l.cpu.to_bits(), l.memory_mb, l.pids);
-        fixed(started) == fixed(wanted)
-    }
-
-    async fn usage(&self, id: &str, _state: &serde_json::Value) -> Result<TierUsage> {
+    async fn usage(&self, id: &str, _state: &MicrovmState) -> Result<TierUsage> {
         let dir = self.dir(id);
         let baseline: u64 = std::fs::read_to_string(dir.join(DISK_BASELINE))
             .ok()
@@ -1393,11 +1376,11 @@ impl IsolationTier for MicrovmTier {
         Ok(TierUsage::new(self.cgroups.usage(id), (disk, 0)))
     }
 
-    async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<()> {
+    async fn pause(&self, id: &str, state: &MicrovmState) -> Result<()> {
         // The sandbox's processes are frozen inside first, so that a snapshot of the paused VM can
         // run the guest's agent without running them. A guest whose agent does not answer is
         // stopped all the same.
-        let s = parse_state(state)?;
+        let s = state.clone();
         let freeze = tokio::time::timeout(
             Duration::from_secs(15),
             self.controls.set_frozen(&self.control(id, s.uid), true),
@@ -1410,9 +1393,9 @@ impl IsolationTier for MicrovmTier {
         self.qmp_async(id, state, "stop").await
     }
 
-    async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<()> {
+    async fn resume(&self, id: &str, state: &MicrovmState) -> Result<()> {
         self.qmp_async(id, state, "cont").await?;
-        let s = parse_state(state)?;
+        let s = state.clone();
         let t = self.control(id, s.uid);
         // The guest's clock stood still while the VM was stopped: it is set again before the
         // sandbox's processes run.
@@ -1426,21 +1409,17 @@ impl IsolationTier for MicrovmTier {
             .context("thaw the sandbox's processes")
     }
 
-    fn checkpoint_ends_connections(&self) -> bool {
-        false
-    }
-
-    fn layers_under_writable(&self, state: &serde_json::Value) -> Option<usize> {
-        parse_state(state).ok().and_then(|s| s.base_layers)
+    fn layers_under_writable(&self, state: &MicrovmState) -> Option<usize> {
+        state.base_layers
     }
 
     async fn export_changes(
         &self,
         id: &str,
-        state: &serde_json::Value,
+        state: &MicrovmState,
         dest: &Path,
     ) -> Result<Duration> {
-        let s = parse_state(state)?;
+        let s = state.clone();
         // Only the guest reads its disk: a paused VM runs again for the export, its processes
         // still frozen inside (pause froze them).
         let paused = self.is_paused(id, &s).await?;
@@ -1483,11 +1462,11 @@ impl IsolationTier for MicrovmTier {
     async fn checkpoint(
         &self,
         id: &str,
-        state: &serde_json::Value,
+        state: &MicrovmState,
         changes: &Path,
         image: &Path,
-    ) -> Result<(Duration, serde_json::Value)> {
-        let s = parse_state(state)?;
+    ) -> Result<(Duration, MicrovmState), TierError> {
+        let s = state.clone();
         let t = self.control(id, s.uid);
         let paused = self.is_paused(id, &s).await?;
         if paused {
@@ -1525,18 +1504,18 @@ impl IsolationTier for MicrovmTier {
         Ok((stopped_for, state.clone()))
     }
 
-    async fn release(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+    async fn release(&self, id: &str, state: Option<&MicrovmState>) -> Result<()> {
         self.controls.forget(id).await;
         self.ports.forget(id);
-        let state = state.and_then(|s| parse_state(s).ok());
+        let state = state.cloned();
         let (this, id) = (self.clone(), id.to_string());
         tokio::task::spawn_blocking(move || this.release_blocking(&id, state)).await?
     }
 
-    async fn destroy(&self, id: &str, state: Option<&serde_json::Value>) -> Result<()> {
+    async fn destroy(&self, id: &str, state: Option<&MicrovmState>) -> Result<()> {
         self.controls.forget(id).await;
         self.ports.forget(id);
-        let state = state.and_then(|s| parse_state(s).ok());
+        let state = state.cloned();
         let (this, id) = (self.clone(), id.to_string());
         tokio::task::spawn_blocking(move || this.destroy_blocking(&id, state)).await?
     }

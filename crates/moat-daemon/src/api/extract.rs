@@ -7,7 +7,7 @@ use http::request::Parts;
 use moat_api::ErrorCode;
 use serde::de::DeserializeOwned;
 
-use crate::error::{from_serde_path, ApiError};
+use super::error::{from_serde_path, ApiError};
 
 /// Largest JSON body accepted (set from the daemon config at start).
 pub static MAX_JSON_BODY: std::sync::atomic::AtomicUsize =
