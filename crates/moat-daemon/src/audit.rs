@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::clock::{now_ms, rfc3339};
 use crate::db::Db;
 use crate::error::Error;
-use crate::sandboxes::Sandboxes;
+use crate::sandboxes::Lifecycle;
 
 /// Entries waiting for the writer; a full queue makes senders wait.
 const QUEUE: usize = 4096;
@@ -132,13 +132,14 @@ impl Audit {
 
     /// Polls watched sandboxes every [`POLL_EVERY`]. At start it watches every running sandbox, so
     /// commands that ended while the daemon was down are recorded too.
-    pub async fn poll_loop(self: Arc<Self>, sandboxes: Arc<Sandboxes>) {
-        if let Ok(list) = sandboxes.db.list_sandboxes() {
-            for r in list
-                .iter()
-                .filter(|r| !r.pooled && r.state == SandboxState::Running)
-            {
-                self.watch(&r.id);
+    pub async fn poll_loop(self: Arc<Self>, sandboxes: Arc<Lifecycle>) {
+        let running = crate::sandboxes::ListFilter {
+            state: Some(SandboxState::Running),
+            ..Default::default()
+        };
+        if let Ok(list) = sandboxes.list(&running) {
+            for s in &list {
+                self.watch(&s.id);
             }
         }
         let mut tick = tokio::time::interval(POLL_EVERY);
@@ -161,7 +162,7 @@ impl Audit {
 
     /// Records what changed in `id`'s processes since the last poll. `last`: the sandbox is going away,
     /// so commands still running are recorded as ended by it.
-    pub async fn poll(&self, sandboxes: &Sandboxes, id: &str, last: bool) {
+    pub async fn poll(&self, sandboxes: &Lifecycle, id: &str, last: bool) {
         // Ask the agent first, without holding the lock: one slow sandbox must not hold up the others.
         let list = match sandboxes.agent_untouched(id).await {
             Ok(agent) => {
@@ -187,7 +188,7 @@ impl Audit {
             return;
         };
         let gone =
-            list.is_none() && (last || sandboxes.db.get_sandbox(id).ok().flatten().is_none());
+            list.is_none() && (last || !sandboxes.exists(id));
         if list.is_none() && !gone {
             return;
         }

@@ -3,7 +3,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-/// Flags of `moat serve`.
+/// Flags of `moat serve`. Only this module reads them: the rest of the daemon takes the settings
+/// made from them ([`ServeArgs::settings`] and each part's own).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// TCP address of the REST API (loopback by default).
@@ -156,6 +157,56 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// What the lifecycle is configured with; an error names the flag that is wrong.
+    pub fn settings(&self) -> anyhow::Result<crate::sandboxes::Settings> {
+        Ok(crate::sandboxes::Settings {
+            data_dir: self.data_dir.clone(),
+            default_timeout: self.default_timeout,
+            max_timeout: self.max_timeout,
+            default_template: self.default_template.clone(),
+            default_isolation: self.default_isolation,
+            default_limits: moat_api::SandboxLimits {
+                cpu: self.default_cpu,
+                memory_mb: self.default_memory_mb,
+                pids: self.default_pids,
+                nofile: self.default_nofile,
+                disk_mb: self.default_disk_mb,
+                disk_inodes: self.default_disk_inodes,
+                tmp_mb: self.default_tmp_mb,
+                output_bytes: self.default_output_bytes,
+                command_timeout: self.default_command_timeout,
+                idle_timeout: self.default_idle_timeout,
+            },
+            pool_size: self.pool_size,
+            default_network: self.default_network_policy()?,
+            max_build_context_mb: self.max_build_context_mb,
+            registries: crate::template::spec::Registries::new(
+                &self.build_apt_source,
+                self.build_pip_index.clone(),
+                self.build_npm_registry.clone(),
+            )?,
+        })
+    }
+
+    /// The policy `--default-network` gives (JSON, or `@FILE` holding JSON), checked like a
+    /// create's.
+    pub fn default_network_policy(&self) -> anyhow::Result<moat_api::NetworkPolicy> {
+        let Some(v) = &self.default_network else {
+            return Ok(moat_api::NetworkPolicy::default());
+        };
+        let text = match v.strip_prefix('@') {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--default-network {v}: {e}"))?,
+            None => v.clone(),
+        };
+        let p: moat_api::NetworkPolicy =
+            serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--default-network: {e}"))?;
+        crate::sandboxes::validate_policy(&p).map_err(|e| {
+            anyhow::anyhow!("--default-network: {}: {e}", e.field().unwrap_or_default())
+        })?;
+        Ok(p)
+    }
+
     /// The E2B API's address, None when it is `off`.
     pub fn e2b_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
         match self.e2b_listen.trim() {
@@ -181,3 +232,68 @@ pub fn api_key_path(data_dir: &std::path::Path) -> PathBuf {
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/moat";
 /// Default API address, for clients.
 pub const DEFAULT_URL: &str = "http://127.0.0.1:6628";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> ServeArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let mut argv = vec!["moat"];
+        argv.extend(extra);
+        <Cli as clap::Parser>::try_parse_from(argv).unwrap().serve
+    }
+
+    #[test]
+    fn default_network_from_json_or_a_file() {
+        assert_eq!(
+            args(&[]).default_network_policy().unwrap(),
+            moat_api::NetworkPolicy::default()
+        );
+        let p = args(&[
+            "--default-network",
+            r#"{"allow_internet":false,"allow_out":["@pypi"]}"#,
+        ])
+        .default_network_policy()
+        .unwrap();
+        assert!(!p.allow_internet);
+        assert_eq!(p.allow_out, ["@pypi"]);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("net.json");
+        std::fs::write(&f, r#"{"deny_out":["203.0.113.0/24"]}"#).unwrap();
+        let from_file = format!("@{}", f.display());
+        assert_eq!(
+            args(&["--default-network", &from_file])
+                .default_network_policy()
+                .unwrap()
+                .deny_out,
+            ["203.0.113.0/24"]
+        );
+        let bad = args(&["--default-network", r#"{"allow_out":["exa mple.com"]}"#])
+            .default_network_policy()
+            .unwrap_err();
+        assert!(bad.to_string().contains("network.allow_out[0]"), "{bad}");
+        assert!(args(&["--default-network", "{not json"])
+            .default_network_policy()
+            .is_err());
+        assert!(args(&["--default-network", "@/nonexistent"])
+            .default_network_policy()
+            .is_err());
+    }
+
+    #[test]
+    fn settings_carry_the_defaults_and_refuse_a_bad_registry() {
+        let s = args(&["--default-memory-mb", "256", "--pool-size", "0"])
+            .settings()
+            .unwrap();
+        assert_eq!(s.default_limits.memory_mb, 256);
+        assert_eq!(s.default_limits.disk_mb, 10_240);
+        assert_eq!(s.pool_size, 0);
+        let bad = args(&["--build-pip-index", "not a url"]).settings().unwrap_err();
+        assert!(format!("{bad:#}").contains("--build-pip-index"), "{bad:#}");
+    }
+}

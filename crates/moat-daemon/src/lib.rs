@@ -25,7 +25,6 @@ use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use rand::RngCore;
@@ -56,7 +55,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
-    let default_network = sandboxes::default_network(&args)?;
+    let settings = args.settings()?;
     let audit = audit::Audit::start(db.clone());
     let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone());
     let network = network_for(&args, db.clone(), events).await?;
@@ -97,15 +96,14 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     )?;
     let tiers: Vec<Arc<dyn tier::IsolationTier>> =
         vec![Arc::new(container), Arc::new(gvisor), Arc::new(microvm)];
-    let sandboxes = Arc::new(sandboxes::Sandboxes::new(
-        args.clone(),
+    let services = sandboxes::Services::new(
+        settings,
         db.clone(),
         templates,
         Arc::new(layers::LayerStore::new(args.data_dir.join("layers"))?),
         tiers,
-        default_network,
-    ));
-    sandboxes.recover().await.context("recover sandboxes")?;
+    );
+    services.recover().await.context("recover sandboxes")?;
     tokio::spawn(
         netlog
             .clone()
@@ -116,12 +114,15 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
             .clone()
             .retention_loop(args.audit_retention_days, args.audit_max_entries),
     );
-    tokio::spawn(audit.clone().poll_loop(sandboxes.clone()));
-    tokio::spawn(sandboxes.clone().expire_loop(Duration::from_millis(500)));
-    tokio::spawn(sandboxes.clone().pool_loop());
+    tokio::spawn(audit.clone().poll_loop(services.sandboxes.clone()));
+    services.spawn_background();
 
     let state = Arc::new(api::AppState {
-        sandboxes: sandboxes.clone(),
+        sandboxes: services.sandboxes.clone(),
+        pool: services.pool.clone(),
+        snapshots: services.snapshots.clone(),
+        templates: services.templates.clone(),
+        builds: services.builds.clone(),
         api_key,
         audit: audit.clone(),
         netlog,
@@ -166,7 +167,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     audit.flush().await;
     // Pooled sandboxes are nobody's: they go with a clean stop (the pool refills at the next start);
     // a crash leaves them to be re-adopted or trimmed then.
-    if let Err(e) = sandboxes.drain_pool(&args.default_template).await {
+    if let Err(e) = services.pool.drain(&args.default_template).await {
         tracing::warn!("draining the warm pool: {e}");
     }
     if cgroups.remove_parent_if_empty() {

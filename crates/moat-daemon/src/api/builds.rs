@@ -33,7 +33,7 @@ pub async fn list(
         return Err(ApiError::invalid("limit", "limit must be 1..=200"));
     }
     Ok(Json(BuildList {
-        builds: st.sandboxes.list_builds(q.template.as_deref(), limit)?,
+        builds: st.builds.list(q.template.as_deref(), limit)?,
     }))
 }
 
@@ -41,7 +41,7 @@ pub async fn list(
 #[utoipa::path(get, path = "/v1/builds/{id}", tag = "templates", params(("id" = String, Path)),
     responses((status = 200, body = Build), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Build>> {
-    Ok(Json(st.sandboxes.get_build(&id)?))
+    Ok(Json(st.builds.get(&id)?))
 }
 
 /// A build's events from its start (NDJSON `BuildEvent`s: `started`, `step`, `log`, `step_done`, and
@@ -50,8 +50,8 @@ pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Build>
     responses((status = 200, description = "NDJSON stream of BuildEvent", content_type = "application/x-ndjson", body = moat_api::BuildEvent),
               (status = 404, body = moat_api::ErrorBody)))]
 pub async fn events(State(st): St, Path(id): Path<String>) -> ApiResult<Response> {
-    let file = st.sandboxes.build_events_file(&id)?;
-    if let Some(live) = st.sandboxes.live_build(&id) {
+    let file = st.builds.events_file(&id)?;
+    if let Some(live) = st.builds.live_build(&id) {
         return follow(live);
     }
     let f = tokio::fs::File::open(&file)
@@ -90,7 +90,7 @@ pub async fn cancel(
 ) -> ApiResult<(http::StatusCode, Json<Build>)> {
     Ok((
         http::StatusCode::ACCEPTED,
-        Json(st.sandboxes.cancel_build(&id)?),
+        Json(st.builds.cancel(&id)?),
     ))
 }
 
@@ -99,8 +99,8 @@ pub async fn cancel(
 #[utoipa::path(delete, path = "/v1/build-cache", tag = "templates",
     responses((status = 200, body = PruneResult)))]
 pub async fn prune(State(st): St) -> ApiResult<Json<PruneResult>> {
-    let s = st.sandboxes.clone();
-    let r = tokio::task::spawn_blocking(move || s.prune_build_cache())
+    let b = st.builds.clone();
+    let r = tokio::task::spawn_blocking(move || b.prune_cache())
         .await
         .map_err(ApiError::internal)??;
     Ok(Json(r))

@@ -41,12 +41,6 @@ impl From<anyhow::Error> for ApiError {
     }
 }
 
-impl From<crate::db::StoreError> for ApiError {
-    fn from(e: crate::db::StoreError) -> ApiError {
-        ApiError::from(Error::from(e))
-    }
-}
-
 impl From<Error> for ApiError {
     fn from(e: Error) -> ApiError {
         let with_field = |code, field: String, message: String| {

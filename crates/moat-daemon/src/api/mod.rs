@@ -24,11 +24,17 @@ use axum::{Json, Router};
 use moat_api::ErrorCode;
 use utoipa::OpenApi;
 
-use crate::sandboxes::Sandboxes;
+use crate::sandboxes::{Builds, Lifecycle, Pool, Snapshots, Templates};
 use error::ApiError;
 
+/// What the REST front (and the E2B and MCP fronts over it) works with: the lifecycle's parts,
+/// the key, and the logs.
 pub struct AppState {
-    pub sandboxes: Arc<Sandboxes>,
+    pub sandboxes: Arc<Lifecycle>,
+    pub pool: Arc<Pool>,
+    pub snapshots: Arc<Snapshots>,
+    pub templates: Arc<Templates>,
+    pub builds: Arc<Builds>,
     pub api_key: String,
     pub audit: Arc<crate::audit::Audit>,
     pub netlog: Arc<crate::netlog::NetLog>,
@@ -338,7 +344,7 @@ async fn health(State(st): St) -> Json<moat_api::Health> {
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         tiers: st.sandboxes.tier_infos(),
-        pool: st.sandboxes.pool_info(),
+        pool: st.pool.info(),
     })
 }
 

@@ -114,6 +114,6 @@ pub async fn template_proposal(
     State(st): St,
     Path(name): Path<String>,
 ) -> ApiResult<Json<NetworkProposal>> {
-    st.sandboxes.templates.get(&st.sandboxes.db, &name)?;
+    st.templates.get(&name)?;
     Ok(Json(st.netlog.proposal(None, Some(&name)).await?))
 }

@@ -26,7 +26,7 @@ pub async fn create(
 ) -> ApiResult<(StatusCode, Json<Snapshot>)> {
     Ok((
         StatusCode::CREATED,
-        Json(st.sandboxes.snapshot(&id, req).await?),
+        Json(st.snapshots.snapshot(&id, req).await?),
     ))
 }
 
@@ -35,7 +35,7 @@ pub async fn create(
     responses((status = 200, body = SnapshotList)))]
 pub async fn list(State(st): St) -> ApiResult<Json<SnapshotList>> {
     Ok(Json(SnapshotList {
-        snapshots: st.sandboxes.list_snapshots()?,
+        snapshots: st.snapshots.list()?,
     }))
 }
 
@@ -43,14 +43,14 @@ pub async fn list(State(st): St) -> ApiResult<Json<SnapshotList>> {
 #[utoipa::path(get, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path, description = "id or name")),
     responses((status = 200, body = Snapshot), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Snapshot>> {
-    Ok(Json(st.sandboxes.get_snapshot(&id)?))
+    Ok(Json(st.snapshots.get(&id)?))
 }
 
 /// Delete a snapshot (sandboxes started from it keep running; its layers go with the last of them).
 #[utoipa::path(delete, path = "/v1/snapshots/{id}", tag = "snapshots", params(("id" = String, Path, description = "id or name")),
     responses((status = 204), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn delete(State(st): St, Path(id): Path<String>) -> ApiResult<StatusCode> {
-    st.sandboxes.delete_snapshot(&id)?;
+    st.snapshots.delete(&id)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -64,7 +64,7 @@ pub async fn fork(
     Path(id): Path<String>,
     JsonBody(req): JsonBody<ForkRequest>,
 ) -> ApiResult<(StatusCode, Json<ForkResponse>)> {
-    let sandboxes = st.sandboxes.fork(&id, req).await?;
+    let sandboxes = st.snapshots.fork(&id, req).await?;
     Ok((StatusCode::CREATED, Json(ForkResponse { sandboxes })))
 }
 
@@ -79,7 +79,7 @@ pub async fn reset(
     Path(id): Path<String>,
     JsonBody(req): JsonBody<ResetRequest>,
 ) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(st.sandboxes.reset(&id, req).await?))
+    Ok(Json(st.snapshots.reset(&id, req).await?))
 }
 
 /// Pause a sandbox: every process is frozen (no CPU), memory and files kept; it does not expire
@@ -108,5 +108,5 @@ pub async fn resume(
 #[utoipa::path(get, path = "/v1/system/df", tag = "snapshots",
     responses((status = 200, body = moat_api::DiskUsage)))]
 pub async fn disk_usage(State(st): St) -> ApiResult<Json<moat_api::DiskUsage>> {
-    Ok(Json(st.sandboxes.disk_usage().await?))
+    Ok(Json(st.snapshots.disk_usage().await?))
 }

@@ -11,27 +11,21 @@ use super::error::{ApiError, ApiResult};
 use super::St;
 use crate::api::extract::{JsonBody, QueryArgs};
 use crate::template::spec;
-use crate::template::store::to_api;
 use moat_api::ErrorCode;
 
 /// List templates.
 #[utoipa::path(get, path = "/v1/templates", tag = "templates", responses((status = 200, body = TemplateList)))]
 pub async fn list(State(st): St) -> ApiResult<Json<TemplateList>> {
-    let templates = st
-        .sandboxes
-        .db
-        .list_templates()?
-        .iter()
-        .map(to_api)
-        .collect();
-    Ok(Json(TemplateList { templates }))
+    Ok(Json(TemplateList {
+        templates: st.templates.list()?,
+    }))
 }
 
 /// Get one template.
 #[utoipa::path(get, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
     responses((status = 200, body = Template), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn get(State(st): St, Path(name): Path<String>) -> ApiResult<Json<Template>> {
-    Ok(Json(st.sandboxes.templates.get(&st.sandboxes.db, &name)?))
+    Ok(Json(st.templates.get(&name)?))
 }
 
 /// Register a root filesystem directory or tarball, an OCI image layout or a `docker save` archive on
@@ -42,11 +36,7 @@ pub async fn register(
     State(st): St,
     JsonBody(req): JsonBody<RegisterTemplateRequest>,
 ) -> ApiResult<(StatusCode, Json<Template>)> {
-    let t = st
-        .sandboxes
-        .templates
-        .register(&st.sandboxes.db, &req.name, &req.path)
-        .await?;
+    let t = st.templates.register(&req.name, &req.path).await?;
     Ok((StatusCode::CREATED, Json(t)))
 }
 
@@ -61,11 +51,7 @@ pub async fn pull(
     Path(name): Path<String>,
     JsonBody(req): JsonBody<moat_api::PullTemplateRequest>,
 ) -> ApiResult<(StatusCode, Json<Template>)> {
-    let t = st
-        .sandboxes
-        .templates
-        .pull(&st.sandboxes.db, &name, &req)
-        .await?;
+    let t = st.templates.pull(&name, &req).await?;
     Ok((StatusCode::CREATED, Json(t)))
 }
 
@@ -105,10 +91,10 @@ pub async fn build(
         .unwrap_or("")
         .to_ascii_lowercase();
     if ct.starts_with("application/x-tar") {
-        let (id, dir) = st.sandboxes.new_build_dir()?;
+        let (id, dir) = st.builds.new_dir()?;
         let started = async {
             let context = dir.join("context.tar");
-            let limit = st.sandboxes.args.max_build_context_mb << 20;
+            let limit = st.builds.max_context_bytes();
             save_body(req.into_body(), &context, limit).await?;
             let spec_name = q.spec.clone().unwrap_or_else(|| moat_api::SPEC_FILE.into());
             moat_api::check_context_path(&spec_name).map_err(|m| ApiError::invalid("spec", m))?;
@@ -117,8 +103,8 @@ pub async fn build(
                     .await
                     .map_err(ApiError::internal)??;
             let parsed = spec::parse_toml(&text)?;
-            st.sandboxes
-                .start_build(id.clone(), &name, parsed, true, q.no_cache)
+            st.builds
+                .start(id.clone(), &name, parsed, true, q.no_cache)
                 .await
                 .map_err(ApiError::from)
         }
@@ -151,10 +137,10 @@ pub async fn build(
             let r: moat_api::BuildRequest = crate::api::extract::parse_json(&body)?;
             (r.spec, r.no_cache || q.no_cache)
         };
-    let (id, _dir) = st.sandboxes.new_build_dir()?;
+    let (id, _dir) = st.builds.new_dir()?;
     let live = st
-        .sandboxes
-        .start_build(id, &name, parsed, false, no_cache)
+        .builds
+        .start(id, &name, parsed, false, no_cache)
         .await?;
     super::builds::follow(live)
 }
@@ -196,11 +182,7 @@ fn debootstrap_build(st: std::sync::Arc<super::AppState>, name: String) -> ApiRe
     let st2 = st.clone();
     // The build goes on if the client disconnects; its result is in the template's status.
     tokio::spawn(async move {
-        let result = st2
-            .sandboxes
-            .templates
-            .build(&st2.sandboxes.db, &name, tx.clone())
-            .await;
+        let result = st2.templates.build(&name, tx.clone()).await;
         let last = match result {
             Ok(template) => BuildEvent::Done {
                 template: Box::new(template),
@@ -219,11 +201,6 @@ fn debootstrap_build(st: std::sync::Arc<super::AppState>, name: String) -> ApiRe
 #[utoipa::path(delete, path = "/v1/templates/{name}", tag = "templates", params(("name" = String, Path)),
     responses((status = 204), (status = 404, body = moat_api::ErrorBody), (status = 409, body = moat_api::ErrorBody)))]
 pub async fn delete(State(st): St, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    st.sandboxes.drain_pool(&name).await?;
-    let removed = st.sandboxes.templates.remove(&st.sandboxes.db, &name);
-    st.sandboxes.resume_pool();
-    removed?;
-    // A spec-built template's layers go unless the build cache or others hold them.
-    st.sandboxes.gc_layers();
+    st.templates.delete(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }

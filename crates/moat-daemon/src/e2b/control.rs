@@ -269,10 +269,10 @@ fn unsupported(what: &str) -> Response {
 /// moat's template for an E2B template id: a snapshot by id or name, else a template
 /// (`code-interpreter-v1`, the code interpreter SDK's default, is moat's `code-interpreter`).
 fn resolve_template(e: &E2b, t: &str) -> (Option<String>, Option<String>) {
-    if let Ok(Some(s)) = e.app.sandboxes.db.get_snapshot(t) {
+    if let Ok(s) = e.app.snapshots.get(t) {
         return (None, Some(s.id));
     }
-    let known = |n: &str| matches!(e.app.sandboxes.db.get_template(n), Ok(Some(_)));
+    let known = |n: &str| e.app.templates.exists(n);
     let name = match t {
         "code-interpreter-v1" | "code-interpreter-stateful" if !known(t) => "code-interpreter",
         other => other,
@@ -749,7 +749,7 @@ async fn snapshot(e: &E2b, id: &str, body: Body) -> Response {
     });
     let made = e
         .app
-        .sandboxes
+        .snapshots
         .snapshot(
             id,
             moat_api::CreateSnapshotRequest {
@@ -771,7 +771,7 @@ fn list_snapshots(e: &E2b, query: Option<&str>) -> Response {
         .collect();
     let get = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     let (sandbox, name) = (get("sandboxID"), get("name"));
-    match e.app.sandboxes.list_snapshots() {
+    match e.app.snapshots.list() {
         Ok(all) => {
             let v: Vec<Value> = all
                 .iter()
@@ -787,17 +787,14 @@ fn list_snapshots(e: &E2b, query: Option<&str>) -> Response {
 
 /// `DELETE /templates/{id}`: E2B deletes snapshots (and templates) this way.
 async fn delete_template(e: &E2b, name: &str) -> Response {
-    if matches!(e.app.sandboxes.db.get_snapshot(name), Ok(Some(_))) {
-        return match e.app.sandboxes.delete_snapshot(name) {
+    if e.app.snapshots.get(name).is_ok() {
+        return match e.app.snapshots.delete(name) {
             Ok(()) => StatusCode::NO_CONTENT.into_response(),
             Err(err) => from_api(err),
         };
     }
-    match e.app.sandboxes.templates.remove(&e.app.sandboxes.db, name) {
-        Ok(()) => {
-            e.app.sandboxes.gc_layers();
-            StatusCode::NO_CONTENT.into_response()
-        }
+    match e.app.templates.delete(name).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(Error::NotFound { .. }) => error(
             StatusCode::NOT_FOUND,
             format!("template or snapshot {name} not found"),
@@ -807,7 +804,7 @@ async fn delete_template(e: &E2b, name: &str) -> Response {
 }
 
 fn list_templates(e: &E2b) -> Response {
-    match e.app.sandboxes.db.list_templates() {
+    match e.app.templates.list() {
         Ok(all) => {
             let v: Vec<Value> = all
                 .iter()
@@ -818,8 +815,8 @@ fn list_templates(e: &E2b) -> Response {
                         "names": [t.name],
                         "public": false,
                         "buildStatus": serde_json::to_value(t.status).unwrap_or(Value::Null),
-                        "createdAt": crate::clock::rfc3339(t.created_at_ms),
-                        "updatedAt": crate::clock::rfc3339(t.created_at_ms),
+                        "createdAt": t.created_at,
+                        "updatedAt": t.created_at,
                         "diskSizeMB": t.size_bytes >> 20,
                         "envdVersion": ENVD_VERSION,
                     })
@@ -856,7 +853,7 @@ async fn fork(e: &E2b, id: &str, body: Body) -> Response {
     };
     let snap = match e
         .app
-        .sandboxes
+        .snapshots
         .snapshot(id, moat_api::CreateSnapshotRequest::default())
         .await
     {
@@ -867,7 +864,7 @@ async fn fork(e: &E2b, id: &str, body: Body) -> Response {
     metadata.retain(|k, _| !k.starts_with("moat."));
     let forked = e
         .app
-        .sandboxes
+        .snapshots
         .fork(
             &snap.id,
             moat_api::ForkRequest {
@@ -878,7 +875,7 @@ async fn fork(e: &E2b, id: &str, body: Body) -> Response {
             },
         )
         .await;
-    if let Err(err) = e.app.sandboxes.delete_snapshot(&snap.id) {
+    if let Err(err) = e.app.snapshots.delete(&snap.id) {
         tracing::warn!(snapshot = %snap.id, "remove the fork's snapshot: {}", err.to_string());
     }
     match forked {

@@ -125,14 +125,7 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
     } else {
         match (method.clone(), path.as_str()) {
             (http::Method::GET, "/envs") => axum::Json(
-                e.app
-                    .sandboxes
-                    .db
-                    .get_sandbox(id)
-                    .ok()
-                    .flatten()
-                    .map(|r| r.env)
-                    .unwrap_or_default(),
+                e.app.sandboxes.environment(id).unwrap_or_default(),
             )
             .into_response(),
             (http::Method::GET, "/files") => download(&agent, &user, req).await,
@@ -221,7 +214,7 @@ fn signature_valid(query: Option<&str>, method: &http::Method, token: &str) -> b
 /// A signed `/files` URL without E2B's sandbox headers (a browser or curl following
 /// `download_url()`): the sandbox is the one whose token the signature was made with.
 pub(super) async fn signed_files(e: &Arc<E2b>, req: Request) -> Response {
-    let Ok(all) = e.app.sandboxes.db.list_sandboxes() else {
+    let Ok(all) = e.app.sandboxes.list(&Default::default()) else {
         return http_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "sandbox list unavailable",
@@ -230,7 +223,7 @@ pub(super) async fn signed_files(e: &Arc<E2b>, req: Request) -> Response {
     let query = req.uri().query().map(str::to_string);
     let found = all
         .into_iter()
-        .find(|r| !r.pooled && signature_valid(query.as_deref(), req.method(), &r.access_token));
+        .find(|s| signature_valid(query.as_deref(), req.method(), &s.access_token));
     match found {
         Some(r) => handle(e, &r.id, req).await,
         None => http_error(

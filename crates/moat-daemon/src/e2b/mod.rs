@@ -117,11 +117,9 @@ impl E2b {
                 let configured = self
                     .app
                     .sandboxes
-                    .db
-                    .get_sandbox(id)
+                    .runtime(id)
                     .ok()
-                    .flatten()
-                    .and_then(|r| r.runtime.user);
+                    .and_then(|r| r.user);
                 match configured {
                     Some(u) => u,
                     None if passwd_home(passwd, "user").is_some() => "user".into(),

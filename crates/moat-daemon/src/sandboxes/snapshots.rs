@@ -1,4 +1,4 @@
-//! Snapshots, forks, reset, pause and resume (docs/snapshots.md).
+//! Snapshots, forks and reset (docs/snapshots.md).
 //!
 //! A filesystem snapshot is the sandbox's layer stack plus one new layer: a copy of its writable layer
 //! taken while its processes are frozen, stored once by content digest (`layers.rs`). Sandboxes started
@@ -6,17 +6,22 @@
 //! copies nothing. Reset replaces a sandbox's instance (processes and writable layer) with a fresh one
 //! over the chosen layers, keeping its id, uid range, hostname, limits, environment and timeout.
 
-use moat_api::{
-    CreateSnapshotRequest, ForkRequest, PauseResult, ResetRequest, ResumeRequest, Snapshot,
-    SnapshotKind,
-};
-
+use std::ops::Deref;
 use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
 
 use futures::StreamExt;
+use moat_api::{
+    CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, ResetRequest, Sandbox, SandboxState,
+    Snapshot, SnapshotKind,
+};
 
-use super::*;
+use super::core::{files_only, Core};
+use super::lifecycle::Lifecycle;
+use super::validate::validate_metadata;
+use crate::clock::{now_ms, rfc3339};
 use crate::db::SnapshotRecord;
+use crate::error::Error;
 
 /// Bytes of the regular files under `dir` (a checkpoint image: flat, runsc's files).
 fn dir_bytes(dir: &std::path::Path) -> u64 {
@@ -55,112 +60,21 @@ fn snapshot_to_api(r: &SnapshotRecord) -> Snapshot {
     }
 }
 
-impl Sandboxes {
-    /// The lock that keeps snapshot, reset, pause and resume of one sandbox from interleaving.
-    pub(super) fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut m = self
-            .op_locks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        m.entry(id.to_string()).or_default().clone()
-    }
+pub struct Snapshots {
+    core: Arc<Core>,
+    sandboxes: Arc<Lifecycle>,
+}
 
-    fn snapshot_record(&self, field: &str, id_or_name: &str) -> Result<SnapshotRecord, Error> {
-        if id_or_name.is_empty() || id_or_name.len() > 64 {
-            return Err(Error::not_found(
-                field,
-                format!("snapshot {id_or_name:?} not found"),
-            ));
-        }
-        self.db
-            .get_snapshot(id_or_name)?
-            .ok_or_else(|| Error::not_found(field, format!("snapshot {id_or_name} not found")))
+impl Deref for Snapshots {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
     }
+}
 
-    /// The snapshot a create asks to start from, checked against the rest of the request.
-    pub(super) fn snapshot_for_create(
-        &self,
-        id_or_name: &str,
-        req: &CreateSandboxRequest,
-    ) -> Result<SnapshotRecord, Error> {
-        let snap = self.snapshot_record("snapshot", id_or_name)?;
-        if let Some(i) = req.isolation.filter(|i| *i != snap.isolation) {
-            return Err(Error::invalid(
-                "isolation",
-                format!(
-                    "snapshot {} was taken on the {} tier, not {}; leave isolation out",
-                    snap.id,
-                    snap.isolation.as_str(),
-                    i.as_str()
-                ),
-            ));
-        }
-        if let Some(t) = req.template.as_ref().filter(|t| **t != snap.template) {
-            return Err(Error::invalid(
-                "template",
-                format!(
-                    "snapshot {} is of template {}, not {t}; leave template out",
-                    snap.id, snap.template
-                ),
-            ));
-        }
-        Ok(snap)
-    }
-
-    /// Where the checkpoint image of full-state snapshot `snap_id` lives:
-    /// `<data_dir>/checkpoints/<snap_id>` (written by the tier, removed with the snapshot).
-    pub(super) fn checkpoint_dir(&self, snap_id: &str) -> std::path::PathBuf {
-        self.args.data_dir.join("checkpoints").join(snap_id)
-    }
-
-    /// The checkpoint image a sandbox started from snapshot `snap` continues from: Some for a
-    /// full-state snapshot that still exists.
-    pub(super) fn full_image_of(&self, snap: Option<&str>) -> Result<Option<std::path::PathBuf>> {
-        let Some(snap) = snap else { return Ok(None) };
-        Ok(self
-            .db
-            .get_snapshot(snap)?
-            .filter(|s| s.kind == SnapshotKind::Full)
-            .map(|s| self.checkpoint_dir(&s.id)))
-    }
-
-    /// At start-up: removes checkpoint images whose snapshot is gone (a crash between writing the
-    /// image and recording the snapshot, or during a delete).
-    pub(super) fn sweep_checkpoints(&self) {
-        let root = self.args.data_dir.join("checkpoints");
-        let Ok(entries) = std::fs::read_dir(&root) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if matches!(self.db.get_snapshot(&name), Ok(Some(s)) if s.id == name) {
-                continue;
-            }
-            tracing::warn!(leftover = %name, "removing a checkpoint image without a snapshot");
-            if let Err(err) = std::fs::remove_dir_all(e.path()) {
-                tracing::warn!("remove {}: {err}", e.path().display());
-            }
-        }
-    }
-
-    /// Removes layers no sandbox or snapshot uses any more.
-    pub(crate) fn gc_layers(&self) {
-        let _g = self
-            .layer_lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let result = self
-            .db
-            .layers_in_use()
-            .map_err(anyhow::Error::from)
-            .and_then(|keep| self.layers.gc(&keep));
-        match result {
-            Ok(removed) if !removed.is_empty() => {
-                tracing::info!(?removed, "removed unused layers")
-            }
-            Ok(_) => {}
-            Err(e) => tracing::warn!("layer gc: {e:#}"),
-        }
+impl Snapshots {
+    pub(super) fn new(core: Arc<Core>, sandboxes: Arc<Lifecycle>) -> Snapshots {
+        Snapshots { core, sandboxes }
     }
 
     /// Disk used by templates, the layer store and sandboxes' writable layers.
@@ -192,8 +106,7 @@ impl Sandboxes {
             bytes: 0,
         };
         for rec in self.db.list_sandboxes()? {
-            let (Some(tier), Some(state)) = (self.tiers.get(&rec.isolation), &rec.tier_state)
-            else {
+            let (Ok(tier), Some(state)) = (self.tier(rec.isolation), &rec.tier_state) else {
                 continue;
             };
             sandboxes.count += 1;
@@ -249,7 +162,7 @@ impl Sandboxes {
         let _op = lock.lock().await;
         // Re-read under the lock: a reset or delete may have changed it.
         let rec = self.record(id)?;
-        if super::files_only(&rec) {
+        if files_only(&rec) {
             return Err(Error::conflict(format!(
                 "sandbox {id} is paused with its files only (its processes ended with the host); resume it first"
             )));
@@ -380,7 +293,7 @@ impl Sandboxes {
         Ok(snapshot_to_api(&snap))
     }
 
-    pub fn list_snapshots(&self) -> Result<Vec<Snapshot>, Error> {
+    pub fn list(&self) -> Result<Vec<Snapshot>, Error> {
         Ok(self
             .db
             .list_snapshots()?
@@ -389,13 +302,13 @@ impl Sandboxes {
             .collect())
     }
 
-    pub fn get_snapshot(&self, id_or_name: &str) -> Result<Snapshot, Error> {
+    pub fn get(&self, id_or_name: &str) -> Result<Snapshot, Error> {
         self.snapshot_record("id", id_or_name)
             .map(|s| snapshot_to_api(&s))
     }
 
     /// Deletes a snapshot; its layers stay while sandboxes started from it run.
-    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<(), Error> {
+    pub fn delete(&self, id_or_name: &str) -> Result<(), Error> {
         let snap = self.snapshot_record("id", id_or_name)?;
         self.db.delete_snapshot(&snap.id)?;
         let image = self.checkpoint_dir(&snap.id);
@@ -435,7 +348,7 @@ impl Sandboxes {
             }
         });
         let results: Vec<Result<Sandbox, Error>> = futures::stream::iter(requests)
-            .map(|r| self.create(r))
+            .map(|r| self.sandboxes.create(r))
             .buffered(parallel)
             .collect()
             .await;
@@ -451,7 +364,7 @@ impl Sandboxes {
         }
         if let Some(e) = first_err {
             for s in &made {
-                if let Err(d) = self.delete(&s.id).await {
+                if let Err(d) = self.sandboxes.delete(&s.id).await {
                     tracing::error!(sandbox = %s.id, "remove after failed fork: {d}");
                 }
             }
@@ -523,109 +436,13 @@ impl Sandboxes {
                     self.gc_layers();
                 }
                 tracing::info!(sandbox = %id, snapshot = ?snapshot, "reset");
-                self.get(id)
+                self.sandboxes.get(id)
             }
             Err(e) => {
                 self.discard_failed(id, &tier).await;
                 self.gc_layers();
                 Err(Error::internal(format!(
                     "reset of {id} failed and the sandbox was removed: {e:#}"
-                )))
-            }
-        }
-    }
-
-    /// Freezes every process of a running sandbox; it keeps its memory and files, uses no CPU, and
-    /// does not expire while paused.
-    pub async fn pause(&self, id: &str) -> Result<PauseResult, Error> {
-        let lock = self.op_lock(id);
-        let _op = lock.lock().await;
-        let rec = self.record(id)?;
-        match rec.state {
-            SandboxState::Running => {}
-            SandboxState::Paused => {
-                return Err(Error::conflict(format!("sandbox {id} is already paused")))
-            }
-            s => return Err(Error::conflict(format!("sandbox {id} is {}", s.as_str()))),
-        }
-        let tier = self.tier(rec.isolation)?;
-        let state = rec.tier_state.clone().unwrap_or_default();
-        tier.pause(id, &state)
-            .await
-            .map_err(|e| Error::internal(format!("pause {id}: {e:#}")))?;
-        self.db.set_state(id, SandboxState::Paused)?;
-        tracing::info!(sandbox = %id, "paused");
-        Ok(PauseResult {
-            sandbox: self.get(id)?,
-            processes_kept: true,
-        })
-    }
-
-    /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).
-    pub async fn resume(&self, id: &str, req: ResumeRequest) -> Result<PauseResult, Error> {
-        let timeout = req.timeout.unwrap_or(self.args.default_timeout);
-        self.check_timeout(timeout)?;
-        let lock = self.op_lock(id);
-        let _op = lock.lock().await;
-        let rec = self.record(id)?;
-        if rec.state != SandboxState::Paused {
-            return Err(Error::conflict(format!(
-                "sandbox {id} is {}, not paused",
-                rec.state.as_str()
-            )));
-        }
-        let tier = self.tier(rec.isolation)?;
-        if super::files_only(&rec) {
-            return self.resume_files(rec, tier, timeout).await;
-        }
-        let state = rec.tier_state.clone().unwrap_or_default();
-        tier.resume(id, &state)
-            .await
-            .map_err(|e| Error::internal(format!("resume {id}: {e:#}")))?;
-        self.db.set_expiry(id, now_ms() + 1000 * timeout as i64)?;
-        self.db.touch(id, now_ms())?;
-        self.db.set_state(id, SandboxState::Running)?;
-        tracing::info!(sandbox = %id, "resumed");
-        Ok(PauseResult {
-            sandbox: self.get(id)?,
-            processes_kept: true,
-        })
-    }
-}
-
-impl Sandboxes {
-    /// Resume of a paused sandbox whose processes ended with the host: a new instance over the files
-    /// it had (its writable layer), `processes_kept: false`. When that fails the sandbox stays paused
-    /// with its files.
-    async fn resume_files(
-        &self,
-        rec: SandboxRecord,
-        tier: Arc<dyn IsolationTier>,
-        timeout: u64,
-    ) -> Result<PauseResult, Error> {
-        let id = rec.id.clone();
-        let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
-        self.db.set_state(&id, SandboxState::Starting)?;
-        match self.boot(&rec, &tier, rootfs, true).await {
-            Ok((agent, _state)) => {
-                self.agents.write().await.insert(id.clone(), agent);
-                self.db.set_expiry(&id, now_ms() + 1000 * timeout as i64)?;
-                self.db.touch(&id, now_ms())?;
-                tracing::info!(sandbox = %id, "resumed over its files; its processes were not kept");
-                Ok(PauseResult {
-                    sandbox: self.get(&id)?,
-                    processes_kept: false,
-                })
-            }
-            Err(e) => {
-                let released = tier.release(&id, None).await;
-                self.db
-                    .set_tier_state(&id, SandboxState::Paused, &serde_json::Value::Null)?;
-                if let Err(r) = released {
-                    tracing::error!(sandbox = %id, "after a failed resume: {r:#}");
-                }
-                Err(Error::internal(format!(
-                    "resume of {id} over its files failed (it stays paused with them): {e:#}"
                 )))
             }
         }

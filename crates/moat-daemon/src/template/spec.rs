@@ -47,16 +47,21 @@ pub struct Registries {
 }
 
 impl Registries {
-    pub fn from_args(args: &crate::config::ServeArgs) -> Result<Registries> {
+    /// The registries of `--build-apt-source` (lines), `--build-pip-index` and
+    /// `--build-npm-registry`, checked (an error names the flag).
+    pub fn new(
+        apt_sources: &[String],
+        pip_index: Option<String>,
+        npm_registry: Option<String>,
+    ) -> Result<Registries> {
         let r = Registries {
-            apt_sources: args
-                .build_apt_source
+            apt_sources: apt_sources
                 .iter()
                 .map(|s| s.trim().to_string())
                 .filter(|s| !s.is_empty())
                 .collect(),
-            pip_index: args.build_pip_index.clone(),
-            npm_registry: args.build_npm_registry.clone(),
+            pip_index,
+            npm_registry,
         };
         for line in &r.apt_sources {
             if apt_source_hosts(line).is_empty() {

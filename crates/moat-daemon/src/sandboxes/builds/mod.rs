@@ -16,14 +16,40 @@ use moat_api::{
     TemplateSource, TemplateSpec, TemplateStatus,
 };
 
-use super::*;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Result;
+
+use super::core::{Core, Stack};
+use super::pool::Pool;
+use crate::clock::{now_ms, rfc3339};
 use crate::db::{BuildRecord, TemplateRecord};
+use crate::error::Error;
 use crate::template::spec::{self, CopySource};
 
 mod log;
 mod step;
 
 pub use log::LiveBuild;
+
+/// Template builds from a spec: started, followed, listed, cancelled; their cache.
+pub struct Builds {
+    core: Arc<Core>,
+    pool: Arc<Pool>,
+    /// Template builds running now, by build id.
+    live: Mutex<HashMap<String, Arc<LiveBuild>>>,
+    /// Registry passwords of running builds' base images, by template (never stored).
+    pull_secrets: Mutex<HashMap<String, String>>,
+}
+
+impl Deref for Builds {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
 
 /// The label of a build's sandboxes (its value is the build id).
 pub const BUILD_LABEL: &str = "moat.build";
@@ -108,15 +134,29 @@ fn planned_steps(spec: &TemplateSpec) -> Vec<BuildStepInfo> {
     steps
 }
 
-impl Sandboxes {
+impl Builds {
+    pub(super) fn new(core: Arc<Core>, pool: Arc<Pool>) -> Builds {
+        Builds {
+            core,
+            pool,
+            live: Mutex::new(HashMap::new()),
+            pull_secrets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Largest build context accepted, bytes (`--max-build-context-mb`).
+    pub fn max_context_bytes(&self) -> u64 {
+        self.settings.max_build_context_mb << 20
+    }
+
     /// `<data_dir>/builds/<id>`: a build's events and, while it runs, its context.
     pub fn build_dir(&self, id: &str) -> std::path::PathBuf {
-        self.args.data_dir.join("builds").join(id)
+        self.settings.data_dir.join("builds").join(id)
     }
 
     /// A new build id and its (empty) directory, for the API to store a build context in before the
     /// build starts.
-    pub fn new_build_dir(&self) -> Result<(String, std::path::PathBuf), Error> {
+    pub fn new_dir(&self) -> Result<(String, std::path::PathBuf), Error> {
         let id = crate::ids::new_id("bld");
         let dir = self.build_dir(&id);
         std::fs::create_dir_all(&dir)
@@ -126,7 +166,7 @@ impl Sandboxes {
 
     /// Starts building `template` from `spec` (with the build context at `<dir>/context.tar` when
     /// `context`); the build goes on in its own task. Checks what can be checked before it starts.
-    pub async fn start_build(
+    pub async fn start(
         self: &Arc<Self>,
         id: String,
         template: &str,
@@ -204,7 +244,7 @@ impl Sandboxes {
                 _ => {}
             }
         }
-        let isolation = spec.build.isolation.unwrap_or(self.args.default_isolation);
+        let isolation = spec.build.isolation.unwrap_or(self.settings.default_isolation);
         let tier = self
             .tier(isolation)
             .map_err(|e| Error::invalid("spec.build.isolation", e.to_string()))?;
@@ -225,7 +265,7 @@ impl Sandboxes {
         }
         let live = {
             let mut builds = self
-                .builds
+                .live
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some(other) = builds.values().find(|b| b.template == template) {
@@ -291,7 +331,7 @@ impl Sandboxes {
     }
 
     fn forget_build(&self, id: &str) {
-        self.builds
+        self.live
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(id);
@@ -299,14 +339,14 @@ impl Sandboxes {
 
     /// A running build's live events, if it runs.
     pub fn live_build(&self, id: &str) -> Option<Arc<LiveBuild>> {
-        self.builds
+        self.live
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(id)
             .cloned()
     }
 
-    pub fn get_build(&self, id: &str) -> Result<Build, Error> {
+    pub fn get(&self, id: &str) -> Result<Build, Error> {
         if !crate::ids::valid_id("bld", id) {
             return Err(Error::not_found("id", format!("build {id:?} not found")));
         }
@@ -316,7 +356,7 @@ impl Sandboxes {
             .ok_or_else(|| Error::not_found("id", format!("build {id} not found")))
     }
 
-    pub fn list_builds(&self, template: Option<&str>, limit: u32) -> Result<Vec<Build>, Error> {
+    pub fn list(&self, template: Option<&str>, limit: u32) -> Result<Vec<Build>, Error> {
         Ok(self
             .db
             .list_builds(template, limit)?
@@ -326,15 +366,15 @@ impl Sandboxes {
     }
 
     /// The event log of a finished build.
-    pub fn build_events_file(&self, id: &str) -> Result<std::path::PathBuf, Error> {
-        self.get_build(id)?;
+    pub fn events_file(&self, id: &str) -> Result<std::path::PathBuf, Error> {
+        self.get(id)?;
         Ok(self.build_dir(id).join("events.ndjson"))
     }
 
     /// Asks a running build to stop: its running step is killed, its sandbox removed, and the
     /// template stays as it was.
-    pub fn cancel_build(&self, id: &str) -> Result<Build, Error> {
-        let b = self.get_build(id)?;
+    pub fn cancel(&self, id: &str) -> Result<Build, Error> {
+        let b = self.get(id)?;
         match self.live_build(id) {
             Some(live) => {
                 live.cancel.cancel();
@@ -348,7 +388,7 @@ impl Sandboxes {
     }
 
     /// Empties the build cache and removes the layers only it held.
-    pub fn prune_build_cache(&self) -> Result<moat_api::PruneResult, Error> {
+    pub fn prune_cache(&self) -> Result<moat_api::PruneResult, Error> {
         let entries = {
             let _g = self
                 .layer_lock
@@ -366,7 +406,7 @@ impl Sandboxes {
     }
 
     /// At start-up: builds that were running when the daemon stopped have failed.
-    pub(super) fn recover_builds(&self) -> Result<()> {
+    pub(super) fn recover(&self) -> Result<()> {
         for mut b in self.db.list_builds(None, u32::MAX)? {
             if b.status == BuildStatus::Running {
                 b.status = BuildStatus::Failed;
@@ -562,7 +602,7 @@ impl Sandboxes {
                 _ => None,
             };
             let extra = copy.as_ref().map(|c| c.digest.clone()).unwrap_or_default();
-            key = spec::step_key(&key, step, &extra, &self.registries);
+            key = spec::step_key(&key, step, &extra, &self.settings.registries);
             match step {
                 BuildStep::Env(e) => state.env.extend(e.clone()),
                 BuildStep::User(u) => state.user = Some(u.clone()),
@@ -748,11 +788,11 @@ impl Sandboxes {
                 .map_err(|e| Failure::at(total - 1, format!("record the template: {e:#}")))?;
         }
         // Pooled sandboxes of the previous version would be handed out from now on: replace them.
-        if self.pool_serves(&t.name, self.args.default_isolation) {
-            if let Err(e) = self.drain_pool(&t.name).await {
+        if self.pool.serves(&t.name, self.settings.default_isolation) {
+            if let Err(e) = self.pool.drain(&t.name).await {
                 tracing::warn!(template = %t.name, "drain the warm pool after a build: {e}");
             }
-            self.resume_pool();
+            self.pool.resume();
         }
         Ok(crate::template::store::to_api(&t))
     }
@@ -796,7 +836,7 @@ impl Sandboxes {
             )
         } else if let Some(release) = &base.debian {
             let opts = crate::template::debootstrap::DebootstrapOptions::from_host(
-                self.args.data_dir.join("cache").join("debootstrap"),
+                self.settings.data_dir.join("cache").join("debootstrap"),
             )
             .map_err(|e| format!("{e:#}"))?;
             let mut pkgs = base.packages.clone();
@@ -843,7 +883,7 @@ impl Sandboxes {
             r
         } else {
             let mut opts = crate::template::debootstrap::DebootstrapOptions::from_host(
-                self.args.data_dir.join("cache").join("debootstrap"),
+                self.settings.data_dir.join("cache").join("debootstrap"),
             )
             .map_err(|e| format!("{e:#}"))?;
             opts.suite = base.debian.clone().unwrap_or_default();

@@ -3,13 +3,21 @@
 
 use moat_api::{BuildStep, ProcessEvent, StartProcessRequest, TemplateConfig, TemplateSpec};
 
-use super::super::*;
+use std::collections::BTreeMap;
+
+use moat_api::CreateSandboxRequest;
+
+use super::super::core::Stack;
+use super::Builds;
+use crate::clock::now_ms;
+use crate::db::{Claim, SandboxRecord};
+use crate::error::Error;
 use super::log::{Lines, LiveBuild};
 use super::{StepState, BUILD_LABEL, DEFAULT_STEP_TIMEOUT};
 use crate::db::BuildRecord;
 use crate::template::spec::{self, CopySource};
 
-impl Sandboxes {
+impl Builds {
     /// Runs one step in a sandbox of its own over `stack`; returns the layer it made (None when it
     /// changed no file). The sandbox is removed whatever happens.
     #[allow(clippy::too_many_arguments)]
@@ -56,7 +64,7 @@ impl Sandboxes {
         // The network the step needs: its registry, or what the spec allows `run` steps.
         if sbx.network.is_some() {
             let apt_hosts = match step {
-                BuildStep::Apt(_) if self.registries.apt_sources.is_empty() => {
+                BuildStep::Apt(_) if self.settings.registries.apt_sources.is_empty() => {
                     let mut text = String::new();
                     let req = StartProcessRequest {
                         command: Some(
@@ -79,6 +87,7 @@ impl Sandboxes {
                     spec::apt_source_hosts(&text)
                 }
                 BuildStep::Apt(_) => self
+                    .settings
                     .registries
                     .apt_sources
                     .iter()
@@ -86,7 +95,7 @@ impl Sandboxes {
                     .collect(),
                 _ => Vec::new(),
             };
-            let allow_out = spec::step_allow_out(step, spec, &self.registries, &apt_hosts);
+            let allow_out = spec::step_allow_out(step, spec, &self.settings.registries, &apt_hosts);
             if !allow_out.is_empty() {
                 live.log(index, format!("[moat] network: {}", allow_out.join(" ")));
                 let policy = moat_api::NetworkPolicy {
@@ -115,7 +124,7 @@ impl Sandboxes {
             timeout,
         };
         let mut env = state.env.clone();
-        env.extend(spec::step_env(step, &self.registries));
+        env.extend(spec::step_env(step, &self.settings.registries));
         match step {
             BuildStep::Run(cmd) => {
                 out.run(
@@ -165,7 +174,7 @@ impl Sandboxes {
             }
             _ => {
                 let script =
-                    spec::root_script(step, &self.registries).ok_or("this step runs no command")?;
+                    spec::root_script(step, &self.settings.registries).ok_or("this step runs no command")?;
                 out.run(
                     &mut lines,
                     StartProcessRequest {
@@ -218,22 +227,23 @@ impl Sandboxes {
         spec: &TemplateSpec,
         stack: Stack,
     ) -> Result<SandboxRecord, Error> {
-        let isolation = spec.build.isolation.unwrap_or(self.args.default_isolation);
+        let isolation = spec.build.isolation.unwrap_or(self.settings.default_isolation);
         let tier = self.tier(isolation)?;
         let root = stack.root.clone();
         let rootfs = self.root_path(template, root.as_deref()).await?;
         let mut req = CreateSandboxRequest {
-            cpu: spec.build.cpu.map(|c| c.min(self.host_cpus)),
+            cpu: spec.build.cpu.map(|c| c.min(self.host.cpus)),
             memory_mb: spec.build.memory_mb,
             ..Default::default()
         };
         if req.memory_mb.is_none() {
             // Package installs need more than a default sandbox often has.
             req.memory_mb = Some(
-                self.args
-                    .default_memory_mb
+                self.settings
+                    .default_limits
+                    .memory_mb
                     .max(1024)
-                    .min(self.host_memory_mb),
+                    .min(self.host.memory_mb),
             );
         }
         self.validate(&req)?;

@@ -1,0 +1,457 @@
+//! What every part of the lifecycle shares: the store, the tiers, the layer and template stores,
+//! the open agent connections, and the lookups over them. Private to `sandboxes`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use moat_api::{Isolation, Sandbox, SandboxState, SnapshotKind};
+use tokio::sync::RwLock;
+
+use super::validate::validate_policy;
+use super::Settings;
+use crate::agent::AgentClient;
+use crate::clock::{now_ms, rfc3339};
+use crate::db::{Db, SandboxRecord, SnapshotRecord};
+use crate::error::Error;
+use crate::ids::valid_sandbox_id;
+use crate::layers::LayerStore;
+use crate::template::store::TemplateStore;
+use crate::tier::IsolationTier;
+
+/// The idle clock is written at most this often per sandbox.
+const TOUCH_EVERY_MS: i64 = 1000;
+
+/// What this host can give a sandbox at most.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HostLimits {
+    pub cpus: f64,
+    pub memory_mb: u64,
+    /// The daemon's own hard RLIMIT_NOFILE: sandbox processes cannot be given more.
+    pub nofile: u64,
+    /// Size of the data directory's filesystem, MiB: the largest disk quota that makes sense.
+    pub disk_mb: u64,
+}
+
+impl HostLimits {
+    fn of_this_host(data_dir: &std::path::Path) -> HostLimits {
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as f64)
+            .unwrap_or(1.0);
+        let memory_mb = nix::sys::sysinfo::sysinfo()
+            .map(|s| s.ram_total() >> 20)
+            .unwrap_or(1 << 20);
+        let nofile = {
+            let mut r = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes into the rlimit we pass and has no other effect.
+            if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+                r.rlim_max
+            } else {
+                1024
+            }
+        };
+        let disk_mb = nix::sys::statvfs::statvfs(data_dir)
+            .map(|s| (s.blocks() * s.fragment_size()) >> 20)
+            .unwrap_or(1 << 20);
+        HostLimits {
+            cpus,
+            memory_mb,
+            nofile,
+            disk_mb,
+        }
+    }
+}
+
+pub struct Core {
+    pub(super) settings: Settings,
+    pub(super) db: Arc<Db>,
+    pub(super) templates: Arc<TemplateStore>,
+    pub(super) layers: Arc<LayerStore>,
+    tiers: HashMap<Isolation, Arc<dyn IsolationTier>>,
+    /// Open agent connections by sandbox (re-made from the database after a restart).
+    pub(super) agents: RwLock<HashMap<String, Arc<AgentClient>>>,
+    pub(super) host: HostLimits,
+    /// Previous CPU sample per sandbox (when, usage in µs), for `cpu_cores` in stats.
+    pub(super) cpu_samples: std::sync::Mutex<HashMap<String, (std::time::Instant, u64)>>,
+    /// One at a time per sandbox: snapshot, reset, pause, resume (each changes its frozen state
+    /// or its whole instance).
+    op_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while layers are committed and recorded, and while unused ones are removed.
+    pub(super) layer_lock: std::sync::Mutex<()>,
+}
+
+/// A sandbox row as the API shows it (without what the tier knows).
+fn to_api(r: &SandboxRecord) -> Sandbox {
+    Sandbox {
+        id: r.id.clone(),
+        template: r.template.clone(),
+        isolation: r.isolation,
+        state: r.state,
+        created_at: rfc3339(r.created_at_ms),
+        expires_at: rfc3339(r.expires_at_ms),
+        metadata: r.metadata.clone(),
+        env_keys: r.env.keys().cloned().collect(),
+        cpu: r.cpu,
+        memory_mb: r.memory_mb,
+        hostname: r.hostname.clone(),
+        limits: r.limits.clone(),
+        on_timeout: r.on_timeout,
+        snapshot: r.snapshot.clone(),
+        network: None,
+        access_token: r.access_token.clone(),
+        allow_public_traffic: r.public_traffic,
+        isolation_note: None,
+    }
+}
+
+/// Whether a sandbox is paused with its files only: its processes ended with the host, and a
+/// resume starts it over its files.
+pub(super) fn files_only(rec: &SandboxRecord) -> bool {
+    rec.state == SandboxState::Paused && rec.tier_state.as_ref().is_none_or(|v| v.is_null())
+}
+
+/// A client of a sandbox's agent that dials through its tier.
+pub(super) fn agent_client(
+    id: &str,
+    tier: &Arc<dyn IsolationTier>,
+    state: &serde_json::Value,
+) -> AgentClient {
+    let (tier, sid, state) = (tier.clone(), id.to_string(), state.clone());
+    let dial: crate::agent::Dial = Arc::new(move || {
+        let (tier, id, state) = (tier.clone(), sid.clone(), state.clone());
+        Box::pin(async move { Ok(tier.connect(&id, &state).await?) })
+    });
+    AgentClient::new(id, dial)
+}
+
+/// What a new sandbox stands on and starts with: its template's or its snapshot's root, layers,
+/// environment, default user and working directory, and start command.
+#[derive(Debug, Clone, Default)]
+pub struct Stack {
+    pub root: Option<String>,
+    pub layers: Vec<String>,
+    /// Without `env`, which goes into the sandbox's own environment.
+    pub runtime: moat_api::TemplateConfig,
+    pub env: BTreeMap<String, String>,
+}
+
+impl Stack {
+    pub fn of_template(t: &crate::db::TemplateRecord) -> Stack {
+        let mut runtime = t.config.clone();
+        let env = std::mem::take(&mut runtime.env);
+        Stack {
+            root: t.root.clone(),
+            layers: t.layers.clone(),
+            runtime,
+            env,
+        }
+    }
+
+    pub fn of_snapshot(s: &SnapshotRecord) -> Stack {
+        Stack {
+            root: s.root.clone(),
+            layers: s.layers.clone(),
+            runtime: s.runtime.clone(),
+            env: s.env.clone(),
+        }
+    }
+}
+
+impl Core {
+    pub(super) fn new(
+        settings: Settings,
+        db: Arc<Db>,
+        templates: Arc<TemplateStore>,
+        layers: Arc<LayerStore>,
+        tiers: Vec<Arc<dyn IsolationTier>>,
+    ) -> Core {
+        Core {
+            host: HostLimits::of_this_host(&settings.data_dir),
+            settings,
+            db,
+            templates,
+            layers,
+            tiers: tiers.into_iter().map(|t| (t.isolation(), t)).collect(),
+            agents: RwLock::new(HashMap::new()),
+            cpu_samples: std::sync::Mutex::new(HashMap::new()),
+            op_locks: std::sync::Mutex::new(HashMap::new()),
+            layer_lock: std::sync::Mutex::new(()),
+        }
+    }
+
+    /// A sandbox as the API shows it (with its network, which the tier knows).
+    pub(super) fn api(&self, r: &SandboxRecord) -> Sandbox {
+        let mut out = to_api(r);
+        if let (Some(state), Some(tier)) = (&r.tier_state, self.tiers.get(&r.isolation)) {
+            out.isolation_note = tier.sandbox_note(state);
+        }
+        if let (Some(policy), Some(tier)) = (&r.network, self.tiers.get(&r.isolation)) {
+            if let Some((gw, ip)) = tier.network_addresses(r.slot) {
+                out.network = Some(moat_api::NetworkInfo {
+                    ip: ip.to_string(),
+                    gateway: gw.to_string(),
+                    policy: policy.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Whether sandboxes of this tier get a network (`moat serve --network nat`).
+    pub(super) fn networking(&self, isolation: Isolation) -> bool {
+        self.tiers
+            .get(&isolation)
+            .is_some_and(|t| t.network_addresses(0).is_some())
+    }
+
+    pub fn tier_infos(&self) -> Vec<moat_api::TierInfo> {
+        let mut out: Vec<moat_api::TierInfo> =
+            [Isolation::Container, Isolation::Gvisor, Isolation::Microvm]
+                .into_iter()
+                .map(|i| match self.tiers.get(&i) {
+                    Some(t) => t.info(),
+                    None => moat_api::TierInfo {
+                        isolation: i,
+                        available: false,
+                        note: Some("not implemented in this version of moat".into()),
+                    },
+                })
+                .collect();
+        out.sort_by_key(|t| t.isolation.as_str());
+        out
+    }
+
+    /// Every tier this daemon has.
+    pub(super) fn all_tiers(&self) -> impl Iterator<Item = &Arc<dyn IsolationTier>> {
+        self.tiers.values()
+    }
+
+    pub(super) fn tier(&self, i: Isolation) -> Result<Arc<dyn IsolationTier>, Error> {
+        self.tiers.get(&i).cloned().ok_or_else(|| {
+            Error::invalid(
+                "isolation",
+                format!(
+                    "isolation {} is not available in this version of moat",
+                    i.as_str()
+                ),
+            )
+        })
+    }
+
+    pub(super) fn record(&self, id: &str) -> Result<SandboxRecord, Error> {
+        if !valid_sandbox_id(id) {
+            return Err(Error::not_found("id", format!("sandbox {id:?} not found")));
+        }
+        let rec = self
+            .db
+            .get_sandbox(id)?
+            .filter(|r| !r.pooled)
+            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
+        // Every request for a sandbox goes through here: it restarts the idle clock.
+        let now = now_ms();
+        if now - rec.last_active_ms >= TOUCH_EVERY_MS {
+            if let Err(e) = self.db.touch(id, now) {
+                tracing::warn!(sandbox = %id, "idle clock: {e:#}");
+            }
+        }
+        Ok(rec)
+    }
+
+    /// The agent connection of a running sandbox.
+    pub async fn agent(&self, id: &str) -> Result<Arc<AgentClient>, Error> {
+        let rec = self.record(id)?;
+        self.agent_of(rec).await
+    }
+
+    /// The agent connection of a running sandbox, without counting as activity (for the daemon's own
+    /// polling, which must not keep a sandbox from its idle timeout).
+    pub async fn agent_untouched(&self, id: &str) -> Result<Arc<AgentClient>, Error> {
+        let rec = self
+            .db
+            .get_sandbox(id)?
+            .filter(|r| !r.pooled)
+            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
+        self.agent_of(rec).await
+    }
+
+    async fn agent_of(&self, rec: SandboxRecord) -> Result<Arc<AgentClient>, Error> {
+        let id = rec.id.as_str();
+        if rec.state == SandboxState::Paused {
+            return Err(Error::conflict(format!(
+                "sandbox {id} is paused; resume it first (POST /v1/sandboxes/{id}/resume)"
+            )));
+        }
+        if rec.state != SandboxState::Running {
+            return Err(Error::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
+        }
+        if let Some(a) = self.agents.read().await.get(id) {
+            return Ok(a.clone());
+        }
+        let (Some(state), Ok(tier)) = (rec.tier_state.clone(), self.tier(rec.isolation)) else {
+            return Err(Error::conflict(format!("sandbox {id} has no agent")));
+        };
+        let agent = Arc::new(agent_client(id, &tier, &state));
+        self.agents
+            .write()
+            .await
+            .insert(id.to_string(), agent.clone());
+        Ok(agent)
+    }
+
+    /// Forgets what is kept in memory of a sandbox that is gone.
+    pub(super) fn forget(&self, id: &str) {
+        if let Ok(mut m) = self.cpu_samples.lock() {
+            m.remove(id);
+        }
+        if let Ok(mut m) = self.op_locks.lock() {
+            m.remove(id);
+        }
+    }
+
+    /// The lock that keeps snapshot, reset, pause and resume of one sandbox from interleaving.
+    pub(super) fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self
+            .op_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    pub(super) fn snapshot_record(&self, field: &str, id_or_name: &str) -> Result<SnapshotRecord, Error> {
+        if id_or_name.is_empty() || id_or_name.len() > 64 {
+            return Err(Error::not_found(
+                field,
+                format!("snapshot {id_or_name:?} not found"),
+            ));
+        }
+        self.db
+            .get_snapshot(id_or_name)?
+            .ok_or_else(|| Error::not_found(field, format!("snapshot {id_or_name} not found")))
+    }
+
+    /// The snapshot a create asks to start from, checked against the rest of the request.
+    pub(super) fn snapshot_for_create(
+        &self,
+        id_or_name: &str,
+        req: &moat_api::CreateSandboxRequest,
+    ) -> Result<SnapshotRecord, Error> {
+        let snap = self.snapshot_record("snapshot", id_or_name)?;
+        if let Some(i) = req.isolation.filter(|i| *i != snap.isolation) {
+            return Err(Error::invalid(
+                "isolation",
+                format!(
+                    "snapshot {} was taken on the {} tier, not {}; leave isolation out",
+                    snap.id,
+                    snap.isolation.as_str(),
+                    i.as_str()
+                ),
+            ));
+        }
+        if let Some(t) = req.template.as_ref().filter(|t| **t != snap.template) {
+            return Err(Error::invalid(
+                "template",
+                format!(
+                    "snapshot {} is of template {}, not {t}; leave template out",
+                    snap.id, snap.template
+                ),
+            ));
+        }
+        Ok(snap)
+    }
+
+    /// Where the checkpoint image of full-state snapshot `snap_id` lives:
+    /// `<data_dir>/checkpoints/<snap_id>` (written by the tier, removed with the snapshot).
+    pub(super) fn checkpoint_dir(&self, snap_id: &str) -> std::path::PathBuf {
+        self.settings.data_dir.join("checkpoints").join(snap_id)
+    }
+
+    /// The checkpoint image a sandbox started from snapshot `snap` continues from: Some for a
+    /// full-state snapshot that still exists.
+    pub(super) fn full_image_of(&self, snap: Option<&str>) -> Result<Option<std::path::PathBuf>, Error> {
+        let Some(snap) = snap else { return Ok(None) };
+        Ok(self
+            .db
+            .get_snapshot(snap)?
+            .filter(|s| s.kind == SnapshotKind::Full)
+            .map(|s| self.checkpoint_dir(&s.id)))
+    }
+
+    /// At start-up: removes checkpoint images whose snapshot is gone (a crash between writing the
+    /// image and recording the snapshot, or during a delete).
+    pub(super) fn sweep_checkpoints(&self) {
+        let root = self.settings.data_dir.join("checkpoints");
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if matches!(self.db.get_snapshot(&name), Ok(Some(s)) if s.id == name) {
+                continue;
+            }
+            tracing::warn!(leftover = %name, "removing a checkpoint image without a snapshot");
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                tracing::warn!("remove {}: {err}", e.path().display());
+            }
+        }
+    }
+
+    /// Removes layers no sandbox or snapshot uses any more.
+    pub fn gc_layers(&self) {
+        let _g = self
+            .layer_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let result = self
+            .db
+            .layers_in_use()
+            .map_err(anyhow::Error::from)
+            .and_then(|keep| self.layers.gc(&keep));
+        match result {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(?removed, "removed unused layers")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("layer gc: {e:#}"),
+        }
+    }
+
+    /// `PUT /v1/sandboxes/{id}/network`: a new egress policy, in force at once.
+    pub async fn set_network(
+        &self,
+        id: &str,
+        policy: moat_api::NetworkPolicy,
+    ) -> Result<moat_api::NetworkInfo, Error> {
+        let rec = self.record(id)?;
+        if rec.network.is_none() {
+            return Err(Error::conflict(format!(
+                "sandbox {id} has no network (moat serve --network none)"
+            )));
+        }
+        validate_policy(&policy)?;
+        let tier = self.tier(rec.isolation)?;
+        tier.set_network_policy(rec.slot, &policy)
+            .await
+            .map_err(|e| Error::internal(format!("network policy of {id}: {e:#}")))?;
+        self.db.set_network(id, &policy)?;
+        tracing::info!(sandbox = %id, ?policy, "network policy replaced");
+        self.network(id)
+    }
+
+    /// `GET /v1/sandboxes/{id}/network`
+    pub fn network(&self, id: &str) -> Result<moat_api::NetworkInfo, Error> {
+        self.get(id)?.network.ok_or_else(|| {
+            Error::conflict(format!(
+                "sandbox {id} has no network (moat serve --network none)"
+            ))
+        })
+    }
+
+    pub fn get(&self, id: &str) -> Result<Sandbox, Error> {
+        self.record(id).map(|r| self.api(&r))
+    }
+}
