@@ -187,8 +187,7 @@ impl Audit {
         let Some(known) = known_all.get_mut(id) else {
             return;
         };
-        let gone =
-            list.is_none() && (last || !sandboxes.exists(id));
+        let gone = list.is_none() && (last || !sandboxes.exists(id));
         if list.is_none() && !gone {
             return;
         }

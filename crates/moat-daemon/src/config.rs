@@ -185,6 +185,7 @@ impl ServeArgs {
                 self.build_pip_index.clone(),
                 self.build_npm_registry.clone(),
             )?,
+            agent_timeout: std::time::Duration::from_secs(20),
         })
     }
 
@@ -293,7 +294,9 @@ mod tests {
         assert_eq!(s.default_limits.memory_mb, 256);
         assert_eq!(s.default_limits.disk_mb, 10_240);
         assert_eq!(s.pool_size, 0);
-        let bad = args(&["--build-pip-index", "not a url"]).settings().unwrap_err();
+        let bad = args(&["--build-pip-index", "not a url"])
+            .settings()
+            .unwrap_err();
         assert!(format!("{bad:#}").contains("--build-pip-index"), "{bad:#}");
     }
 }

@@ -389,14 +389,8 @@ async fn network_for(
     let h = hex::encode(sha2::Sha256::digest(
         args.data_dir.as_os_str().as_encoded_bytes(),
     ));
-    let net = host::net::Network::new(
-        &h,
-        &args.subnet,
-        uplink.clone(),
-        dns,
-        tier::container::MAX_SLOTS,
-    )?
-    .with_deny_files(args.deny_list.clone())?;
+    let net = host::net::Network::new(&h, &args.subnet, uplink.clone(), dns, tier::MAX_SLOTS)?
+        .with_deny_files(args.deny_list.clone())?;
     let (dns_udp, dns_tcp) = bind_dns().await?;
     let proxy = tokio::net::TcpListener::bind("0.0.0.0:0").await?;
     let (dns_port, proxy_port) = (dns_udp.local_addr()?.port(), proxy.local_addr()?.port());

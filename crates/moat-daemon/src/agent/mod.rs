@@ -18,6 +18,8 @@ use moat_api::protocol::{endpoint, Call, Endpoint, NoQuery, Payload};
 use moat_api::ProcessSelector;
 use tokio::sync::Mutex;
 
+#[cfg(test)]
+pub mod fake;
 pub mod files;
 pub mod process;
 pub mod tcp;

@@ -88,10 +88,7 @@ pub async fn cancel(
     State(st): St,
     Path(id): Path<String>,
 ) -> ApiResult<(http::StatusCode, Json<Build>)> {
-    Ok((
-        http::StatusCode::ACCEPTED,
-        Json(st.builds.cancel(&id)?),
-    ))
+    Ok((http::StatusCode::ACCEPTED, Json(st.builds.cancel(&id)?)))
 }
 
 /// Empty the build cache: the next build of every spec runs all its steps. Layers that templates,

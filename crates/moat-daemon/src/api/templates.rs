@@ -138,10 +138,7 @@ pub async fn build(
             (r.spec, r.no_cache || q.no_cache)
         };
     let (id, _dir) = st.builds.new_dir()?;
-    let live = st
-        .builds
-        .start(id, &name, parsed, false, no_cache)
-        .await?;
+    let live = st.builds.start(id, &name, parsed, false, no_cache).await?;
     super::builds::follow(live)
 }
 

@@ -124,10 +124,9 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
         super::filesystem::handle(e, id, &agent, &user, m, &parts.headers, body).await
     } else {
         match (method.clone(), path.as_str()) {
-            (http::Method::GET, "/envs") => axum::Json(
-                e.app.sandboxes.environment(id).unwrap_or_default(),
-            )
-            .into_response(),
+            (http::Method::GET, "/envs") => {
+                axum::Json(e.app.sandboxes.environment(id).unwrap_or_default()).into_response()
+            }
             (http::Method::GET, "/files") => download(&agent, &user, req).await,
             (http::Method::POST, "/files") => upload(&agent, &user, req).await,
             _ => http_error(

@@ -114,12 +114,7 @@ impl E2b {
         let name = match &asked {
             Some(n) => n.clone(),
             None => {
-                let configured = self
-                    .app
-                    .sandboxes
-                    .runtime(id)
-                    .ok()
-                    .and_then(|r| r.user);
+                let configured = self.app.sandboxes.runtime(id).ok().and_then(|r| r.user);
                 match configured {
                     Some(u) => u,
                     None if passwd_home(passwd, "user").is_some() => "user".into(),

@@ -40,6 +40,19 @@ pub fn host_uid(pid: u32) -> Result<u32> {
         .context("no Uid line")
 }
 
+/// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
+pub fn reap(pid: u32) {
+    let p = nix::unistd::Pid::from_raw(pid as i32);
+    for _ in 0..100 {
+        match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
+            Ok(nix::sys::wait::WaitStatus::StillAlive) => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            _ => return,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

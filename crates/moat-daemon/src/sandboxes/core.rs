@@ -322,7 +322,11 @@ impl Core {
         m.entry(id.to_string()).or_default().clone()
     }
 
-    pub(super) fn snapshot_record(&self, field: &str, id_or_name: &str) -> Result<SnapshotRecord, Error> {
+    pub(super) fn snapshot_record(
+        &self,
+        field: &str,
+        id_or_name: &str,
+    ) -> Result<SnapshotRecord, Error> {
         if id_or_name.is_empty() || id_or_name.len() > 64 {
             return Err(Error::not_found(
                 field,
@@ -372,7 +376,10 @@ impl Core {
 
     /// The checkpoint image a sandbox started from snapshot `snap` continues from: Some for a
     /// full-state snapshot that still exists.
-    pub(super) fn full_image_of(&self, snap: Option<&str>) -> Result<Option<std::path::PathBuf>, Error> {
+    pub(super) fn full_image_of(
+        &self,
+        snap: Option<&str>,
+    ) -> Result<Option<std::path::PathBuf>, Error> {
         let Some(snap) = snap else { return Ok(None) };
         Ok(self
             .db

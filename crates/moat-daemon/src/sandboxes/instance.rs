@@ -2,7 +2,6 @@
 //! start command; and its removal. Every failure removes what was made.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Result;
 use moat_api::{Isolation, SandboxState};
@@ -14,8 +13,7 @@ use crate::clock::now_ms;
 use crate::db::{Claim, SandboxRecord};
 use crate::error::Error;
 use crate::ids::{new_access_token, new_sandbox_id};
-use crate::tier::container::MAX_SLOTS;
-use crate::tier::{IsolationTier, SandboxSpec};
+use crate::tier::{IsolationTier, SandboxSpec, MAX_SLOTS};
 
 impl Core {
     /// A new (not yet inserted) sandbox row.
@@ -165,7 +163,7 @@ impl Core {
             .set_tier_state(&id, SandboxState::Starting, &state)?;
         let agent = Arc::new(agent_client(&id, tier, &state));
         let t = std::time::Instant::now();
-        agent.wait_ready(Duration::from_secs(20)).await?;
+        agent.wait_ready(self.settings.agent_timeout).await?;
         tracing::debug!(sandbox = %id, took = ?t.elapsed(), "agent ready");
         agent.configure(&config).await?;
         if restoring && !rec.env.is_empty() {

@@ -57,8 +57,6 @@ impl Lifecycle {
         self.host.disk_mb
     }
 
-
-
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
         self.validate(&req)?;
         let snapshot = match &req.snapshot {
@@ -135,7 +133,6 @@ impl Lifecycle {
         tracing::info!(sandbox = %rec.id, template = %rec.template, snapshot = ?rec.snapshot, "created");
         Ok(self.api(&rec))
     }
-
 
     pub fn list(&self, filter: &ListFilter) -> Result<Vec<Sandbox>, Error> {
         Ok(self

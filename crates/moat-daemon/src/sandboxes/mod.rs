@@ -35,6 +35,8 @@ mod recovery;
 mod snapshots;
 mod start;
 mod templates;
+#[cfg(test)]
+mod tests;
 mod validate;
 
 pub use builds::{Builds, LiveBuild, BUILD_LABEL};
@@ -68,6 +70,8 @@ pub struct Settings {
     pub max_build_context_mb: u64,
     /// The package registries build steps install from.
     pub registries: Registries,
+    /// How long a new sandbox's agent may take to answer.
+    pub agent_timeout: Duration,
 }
 
 impl Settings {
@@ -96,6 +100,7 @@ impl Settings {
             default_network: NetworkPolicy::default(),
             max_build_context_mb: 2048,
             registries: Registries::default(),
+            agent_timeout: Duration::from_secs(20),
         }
     }
 }

@@ -41,7 +41,11 @@ impl Pool {
     }
 
     /// Takes a sandbox from the warm pool and gives it the creator's limits and environment.
-    pub(super) async fn claim(&self, claim: &Claim, tier: &Arc<dyn IsolationTier>) -> Option<SandboxRecord> {
+    pub(super) async fn claim(
+        &self,
+        claim: &Claim,
+        tier: &Arc<dyn IsolationTier>,
+    ) -> Option<SandboxRecord> {
         let rec = match self.core.db.claim_pooled(claim) {
             Ok(Some(rec)) => rec,
             Ok(None) => return None,
@@ -63,7 +67,9 @@ impl Pool {
                     tier.set_network_policy(rec.slot, policy).await?;
                 }
             }
-            let agent = self.core.agent(&rec.id)
+            let agent = self
+                .core
+                .agent(&rec.id)
                 .await
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             if claim.limits != defaults {
@@ -106,8 +112,7 @@ impl Pool {
                 || self.paused.load(Ordering::Relaxed)
                 || have >= self.core.settings.pool_size as u64
             {
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(2), self.wake.notified()).await;
+                let _ = tokio::time::timeout(Duration::from_secs(2), self.wake.notified()).await;
                 continue;
             }
             if let Err(e) = self.fill_one(&template).await {
@@ -145,7 +150,8 @@ impl Pool {
             layers: stack.layers,
             snapshot: None,
             on_timeout: moat_api::OnTimeout::Kill,
-            network: self.core
+            network: self
+                .core
                 .networking(Isolation::Container)
                 .then(moat_api::NetworkPolicy::default),
             access_token: new_access_token(),
@@ -161,8 +167,7 @@ impl Pool {
     /// Removes the pooled sandboxes of a template (before it is rebuilt or removed) and stops refilling
     /// until `resume_pool`.
     pub async fn drain(&self, template: &str) -> Result<(), Error> {
-        self.paused
-            .store(true, Ordering::Relaxed);
+        self.paused.store(true, Ordering::Relaxed);
         for rec in self.core.db.list_sandboxes()? {
             if rec.pooled && rec.template == template && rec.state != SandboxState::Starting {
                 self.core.destroy(rec).await?;
@@ -176,7 +181,9 @@ impl Pool {
             return None;
         }
         let template = self.core.settings.default_template.clone();
-        let ready = self.core.db
+        let ready = self
+            .core
+            .db
             .list_sandboxes()
             .map(|all| {
                 all.iter()
@@ -194,8 +201,7 @@ impl Pool {
     }
 
     pub fn resume(&self) {
-        self.paused
-            .store(false, Ordering::Relaxed);
+        self.paused.store(false, Ordering::Relaxed);
         self.wake.notify_one();
     }
 
@@ -207,7 +213,9 @@ impl Pool {
             if !rec.pooled {
                 continue;
             }
-            if rec.template == self.core.settings.default_template && kept < self.core.settings.pool_size {
+            if rec.template == self.core.settings.default_template
+                && kept < self.core.settings.pool_size
+            {
                 kept += 1;
                 continue;
             }

@@ -30,33 +30,38 @@ impl Reaper {
             if n.is_multiple_of(4) {
                 self.remove_dead().await;
             }
-            let now = now_ms();
-            let ids = match self.sandboxes.db.expired(now) {
-                Ok(mut ids) => {
-                    ids.extend(self.idle(now));
-                    ids
-                }
-                Err(e) => {
-                    tracing::error!("expiry query: {e:#}");
+            self.expire().await;
+        }
+    }
+
+    /// Deletes (or pauses, as they asked) the sandboxes whose timeout or idle timeout passed.
+    pub(super) async fn expire(&self) {
+        let now = now_ms();
+        let ids = match self.sandboxes.db.expired(now) {
+            Ok(mut ids) => {
+                ids.extend(self.idle(now));
+                ids
+            }
+            Err(e) => {
+                tracing::error!("expiry query: {e:#}");
+                return;
+            }
+        };
+        for id in ids {
+            if let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(&id) {
+                if rec.state == SandboxState::Starting {
                     continue;
                 }
-            };
-            for id in ids {
-                if let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(&id) {
-                    if rec.state == SandboxState::Starting {
-                        continue;
+                if rec.on_timeout == moat_api::OnTimeout::Pause {
+                    tracing::info!(sandbox = %id, "timeout or idle timeout passed: pausing");
+                    if let Err(e) = self.sandboxes.pause(&id).await {
+                        tracing::error!(sandbox = %id, "pause at timeout: {e}");
                     }
-                    if rec.on_timeout == moat_api::OnTimeout::Pause {
-                        tracing::info!(sandbox = %id, "timeout or idle timeout passed: pausing");
-                        if let Err(e) = self.sandboxes.pause(&id).await {
-                            tracing::error!(sandbox = %id, "pause at timeout: {e}");
-                        }
-                        continue;
-                    }
-                    tracing::info!(sandbox = %id, "timeout or idle timeout passed");
-                    if let Err(e) = self.sandboxes.destroy(rec).await {
-                        tracing::error!(sandbox = %id, "expire: {e:#}");
-                    }
+                    continue;
+                }
+                tracing::info!(sandbox = %id, "timeout or idle timeout passed");
+                if let Err(e) = self.sandboxes.destroy(rec).await {
+                    tracing::error!(sandbox = %id, "expire: {e:#}");
                 }
             }
         }
@@ -64,7 +69,8 @@ impl Reaper {
 
     /// Ids of sandboxes whose idle timeout passed.
     pub(super) fn idle(&self, now: i64) -> Vec<String> {
-        self.sandboxes.db
+        self.sandboxes
+            .db
             .list_sandboxes()
             .unwrap_or_default()
             .into_iter()

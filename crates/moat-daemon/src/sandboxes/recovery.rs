@@ -58,7 +58,10 @@ impl Services {
                     }
                 }
                 if rec.state == SandboxState::Paused
-                    || agent.wait_ready(Duration::from_secs(5)).await.is_ok()
+                    || agent
+                        .wait_ready(core.settings.agent_timeout.min(Duration::from_secs(5)))
+                        .await
+                        .is_ok()
                 {
                     core.agents.write().await.insert(rec.id.clone(), agent);
                     live.insert(rec.id.clone());

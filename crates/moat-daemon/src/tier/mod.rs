@@ -17,9 +17,17 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 pub mod container;
+#[cfg(test)]
+pub mod fake;
 pub mod gvisor;
 pub mod layer;
 pub mod microvm;
+
+/// Host ids each sandbox's user namespace maps (0..65535 inside), from the uid range of its slot.
+pub const IDS_PER_SANDBOX: u32 = 65_536;
+/// Largest number of sandbox slots (each a host uid range and a network address; the ranges stay
+/// below 2^32).
+pub const MAX_SLOTS: u32 = 4096;
 
 /// Everything a tier needs to start a sandbox.
 #[derive(Debug, Clone)]

@@ -244,7 +244,10 @@ impl Builds {
                 _ => {}
             }
         }
-        let isolation = spec.build.isolation.unwrap_or(self.settings.default_isolation);
+        let isolation = spec
+            .build
+            .isolation
+            .unwrap_or(self.settings.default_isolation);
         let tier = self
             .tier(isolation)
             .map_err(|e| Error::invalid("spec.build.isolation", e.to_string()))?;

@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use moat_api::CreateSandboxRequest;
 
 use super::super::core::Stack;
+use super::log::{Lines, LiveBuild};
 use super::Builds;
+use super::{StepState, BUILD_LABEL, DEFAULT_STEP_TIMEOUT};
 use crate::clock::now_ms;
+use crate::db::BuildRecord;
 use crate::db::{Claim, SandboxRecord};
 use crate::error::Error;
-use super::log::{Lines, LiveBuild};
-use super::{StepState, BUILD_LABEL, DEFAULT_STEP_TIMEOUT};
-use crate::db::BuildRecord;
 use crate::template::spec::{self, CopySource};
 
 impl Builds {
@@ -173,8 +173,8 @@ impl Builds {
                 }
             }
             _ => {
-                let script =
-                    spec::root_script(step, &self.settings.registries).ok_or("this step runs no command")?;
+                let script = spec::root_script(step, &self.settings.registries)
+                    .ok_or("this step runs no command")?;
                 out.run(
                     &mut lines,
                     StartProcessRequest {
@@ -227,7 +227,10 @@ impl Builds {
         spec: &TemplateSpec,
         stack: Stack,
     ) -> Result<SandboxRecord, Error> {
-        let isolation = spec.build.isolation.unwrap_or(self.settings.default_isolation);
+        let isolation = spec
+            .build
+            .isolation
+            .unwrap_or(self.settings.default_isolation);
         let tier = self.tier(isolation)?;
         let root = stack.root.clone();
         let rootfs = self.root_path(template, root.as_deref()).await?;

@@ -27,14 +27,12 @@ use anyhow::{anyhow, bail, Context, Result};
 use moat_api::{Isolation, TierInfo};
 use serde::{Deserialize, Serialize};
 
-use super::{AgentStream, SandboxSpec, Tier, TierCapabilities, TierUsage};
+use super::{
+    AgentStream, SandboxSpec, Tier, TierCapabilities, TierUsage, IDS_PER_SANDBOX, MAX_SLOTS,
+};
 use crate::host::cgroup::{CgroupLayout, Limits};
 use crate::host::{mount, proc};
 
-/// Host ids each sandbox's user namespace maps (0..65535 inside).
-pub const IDS_PER_SANDBOX: u32 = 65_536;
-/// Largest number of uid slots (so ranges stay below 2^32).
-pub const MAX_SLOTS: u32 = 4096;
 /// Where the sandbox's cgroup OOM counter appears inside it (read-only).
 pub const OOM_COUNTER_INSIDE: &str = "/run/moat/memory.events";
 
@@ -324,7 +322,7 @@ impl ContainerTier {
         }
         let killed = self.cgroups.kill_all(id, Duration::from_secs(10));
         if let Some(s) = &state {
-            reap(s.agent_pid);
+            proc::reap(s.agent_pid);
         }
         killed?;
         if let (Some(net), Some(slot)) = (&self.net, state.as_ref().and_then(|s| s.net_slot)) {
@@ -338,19 +336,6 @@ impl ContainerTier {
         let dir = self.dir(id);
         mount::unmount_tree(&dir)?;
         mount::remove_unmounted_tree(&dir)
-    }
-}
-
-/// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
-pub(crate) fn reap(pid: u32) {
-    let p = nix::unistd::Pid::from_raw(pid as i32);
-    for _ in 0..100 {
-        match nix::sys::wait::waitpid(p, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-            Ok(nix::sys::wait::WaitStatus::StillAlive) => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
-            _ => return,
-        }
     }
 }
 

@@ -545,7 +545,7 @@ impl GvisorTier {
         // seconds for the Sentry to wind down.
         let killed = self.cgroups.kill_all(id, Duration::from_secs(10));
         for pid in ours {
-            super::container::reap(pid);
+            crate::host::proc::reap(pid);
         }
         if self.runsc.is_some() {
             let networked = state.is_some_and(|s| s.net_slot.is_some());
@@ -793,7 +793,7 @@ impl GvisorTier {
         let mut gone = state.host_pids.clone();
         gone.push(state.sandbox_pid);
         for pid in gone {
-            super::container::reap(pid);
+            crate::host::proc::reap(pid);
         }
         let _ = self.runsc_run(networked, &["delete", "--force", id]);
         let copied = super::layer::copy(&super::layer::upper(&dir), changes);

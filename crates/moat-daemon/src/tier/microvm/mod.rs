@@ -247,7 +247,7 @@ impl MicrovmTier {
     }
 
     fn uid(&self, slot: u32) -> u32 {
-        self.uid_base + slot * super::container::IDS_PER_SANDBOX
+        self.uid_base + slot * super::IDS_PER_SANDBOX
     }
 
     /// The shared initramfs (agent + modules), built on first use for this agent and kernel.
@@ -762,7 +762,7 @@ impl MicrovmTier {
         let _ = self.cgroups.set_frozen(id, false);
         let killed = self.cgroups.kill_all(id, Duration::from_secs(10));
         for pid in pids {
-            super::container::reap(pid);
+            crate::host::proc::reap(pid);
         }
         killed?;
         // The TAP device went with QEMU's descriptor; the slot's policy chain is removed here.

@@ -1,0 +1,571 @@
+//! The lifecycle's logic on test doubles: a fake tier whose instances live in memory, each with an
+//! in-process fake agent, over an in-memory store. No root, no namespaces, no guest kernel: what
+//! is checked is the lifecycle's own work — what it asks the tier and the agent, what it records,
+//! and that a failure at any step leaves nothing behind.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use moat_api::protocol::Route;
+use moat_api::{
+    CreateSandboxRequest, Isolation, OnTimeout, ResumeRequest, SandboxState, StartSpec,
+    TemplateConfig, TemplateSource, TemplateStatus,
+};
+
+use super::{ListFilter, Services, Settings};
+use crate::clock::now_ms;
+use crate::db::{Db, TemplateRecord};
+use crate::error::Error;
+use crate::layers::LayerStore;
+use crate::template::store::TemplateStore;
+use crate::tier::fake::{FakeTier, TierFaults};
+use crate::tier::{IsolationTier, TierCapabilities};
+
+struct World {
+    dir: tempfile::TempDir,
+    db: Arc<Db>,
+    tier: FakeTier,
+    s: Services,
+}
+
+/// A ready template `name` (its root filesystem an empty directory) with `config`.
+fn template(db: &Db, dir: &std::path::Path, name: &str, config: TemplateConfig) {
+    let store = TemplateStore::new(dir).unwrap();
+    std::fs::create_dir_all(store.rootfs(name)).unwrap();
+    let mut t = TemplateRecord::plain(name, TemplateSource::Directory, TemplateStatus::Ready);
+    t.config = config;
+    db.upsert_template(&t).unwrap();
+}
+
+fn settings(dir: &std::path::Path, pool_size: u32) -> Settings {
+    let mut s = Settings::with_defaults(dir.to_path_buf());
+    s.pool_size = pool_size;
+    s.agent_timeout = Duration::from_millis(300);
+    s
+}
+
+/// The lifecycle over `db` and `tier`, as a daemon (re)started on them would have it.
+fn services(dir: &std::path::Path, db: &Arc<Db>, tier: &FakeTier, pool_size: u32) -> Services {
+    Services::new(
+        settings(dir, pool_size),
+        db.clone(),
+        Arc::new(TemplateStore::new(dir).unwrap()),
+        Arc::new(LayerStore::new(dir.join("layers")).unwrap()),
+        vec![Arc::new(tier.clone()) as Arc<dyn IsolationTier>],
+    )
+}
+
+fn world_with(pool_size: u32, tier: FakeTier) -> World {
+    let dir = tempfile::tempdir().unwrap();
+    let db = Arc::new(Db::open_in_memory().unwrap());
+    template(&db, dir.path(), "base", TemplateConfig::default());
+    let s = services(dir.path(), &db, &tier, pool_size);
+    World { dir, db, tier, s }
+}
+
+fn world() -> World {
+    world_with(0, FakeTier::new(Isolation::Container))
+}
+
+fn rows(db: &Db) -> Vec<String> {
+    db.list_sandboxes()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// Waits (bounded) until `cond` holds.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn create_starts_an_instance_configures_its_agent_and_records_it_running() {
+    let w = world();
+    let req = CreateSandboxRequest {
+        env: [("GREETING".to_string(), "hi".to_string())].into(),
+        metadata: [("task".to_string(), "t1".to_string())].into(),
+        memory_mb: Some(256),
+        ..Default::default()
+    };
+    let sbx = w.s.sandboxes.create(req).await.unwrap();
+    assert_eq!(sbx.state, SandboxState::Running);
+    assert_eq!(sbx.metadata["task"], "t1");
+    assert_eq!(sbx.limits.memory_mb, 256);
+    assert_eq!(w.tier.live(), std::slice::from_ref(&sbx.id));
+    let inst = w.tier.instance(&sbx.id).unwrap();
+    // The environment goes in with the instance; the agent gets the per-process limits.
+    assert_eq!(inst.spec.env["GREETING"], "hi");
+    assert_eq!(inst.spec.limits.memory_mb, 256);
+    let config = inst.agent.config().unwrap();
+    assert_eq!(config.nofile, Some(4096));
+    assert_eq!(
+        config.oom_counter.as_deref(),
+        Some("/run/moat/memory.events")
+    );
+    assert_eq!(inst.agent.routes()[..2], [Route::Health, Route::Configure]);
+    let rec = w.db.get_sandbox(&sbx.id).unwrap().unwrap();
+    assert_eq!(rec.state, SandboxState::Running);
+    assert!(rec.tier_state.is_some());
+    // Its agent answers through the lifecycle.
+    let agent = w.s.sandboxes.agent(&sbx.id).await.unwrap();
+    assert!(agent.processes().await.unwrap().processes.is_empty());
+    assert_eq!(w.s.sandboxes.get(&sbx.id).unwrap().id, sbx.id);
+    assert_eq!(w.s.sandboxes.list(&ListFilter::default()).unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_template_start_command_runs_in_every_new_sandbox() {
+    let w = world();
+    let start = StartSpec {
+        cmd: "python3 -m http.server".into(),
+        ready: None,
+        timeout: 5,
+    };
+    template(
+        &w.db,
+        w.dir.path(),
+        "web",
+        TemplateConfig {
+            start: Some(start),
+            user: Some("app".into()),
+            ..Default::default()
+        },
+    );
+    let sbx =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                template: Some("web".into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let agent = w.tier.instance(&sbx.id).unwrap().agent;
+    assert_eq!(agent.config().unwrap().user.as_deref(), Some("app"));
+    let started = agent
+        .calls()
+        .into_iter()
+        .find(|c| c.route == Route::StartProcess)
+        .expect("the start command");
+    let req: moat_api::StartProcessRequest = serde_json::from_slice(&started.body).unwrap();
+    assert_eq!(req.tag.as_deref(), Some("start"));
+    assert_eq!(req.command.as_deref(), Some("python3 -m http.server"));
+}
+
+/// A create that fails at `faults` (with `template`) removes what it made: no row, no instance.
+async fn failed_create_leaves_nothing(faults: TierFaults, template_name: &str, expect: &str) {
+    let w = world();
+    template(
+        &w.db,
+        w.dir.path(),
+        "web",
+        TemplateConfig {
+            start: Some(StartSpec {
+                cmd: "serve".into(),
+                ready: Some(moat_api::ReadyCheck::File("/ready".into())),
+                timeout: 5,
+            }),
+            ..Default::default()
+        },
+    );
+    w.tier.set_faults(faults);
+    let err =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                template: Some(template_name.into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+    assert!(matches!(err, Error::Internal(_)), "{err:?}");
+    assert!(err.to_string().contains(expect), "{err}");
+    assert!(rows(&w.db).is_empty(), "a row was left: {:?}", rows(&w.db));
+    assert!(w.tier.live().is_empty(), "an instance was left");
+    assert!(
+        w.tier.log().iter().any(|l| l.starts_with("destroy ")),
+        "{:?}",
+        w.tier.log()
+    );
+}
+
+#[tokio::test]
+async fn a_create_that_fails_in_the_tier_leaves_nothing() {
+    let faults = TierFaults {
+        create: true,
+        ..Default::default()
+    };
+    failed_create_leaves_nothing(faults, "base", "told to fail creates").await;
+}
+
+#[tokio::test]
+async fn a_create_whose_agent_never_answers_leaves_nothing() {
+    let faults = TierFaults {
+        agent_not_ready: true,
+        ..Default::default()
+    };
+    failed_create_leaves_nothing(faults, "base", "not ready").await;
+}
+
+#[tokio::test]
+async fn a_create_whose_agent_refuses_its_configuration_leaves_nothing() {
+    let faults = TierFaults {
+        agent_refuses_config: true,
+        ..Default::default()
+    };
+    failed_create_leaves_nothing(faults, "base", "configuration refused").await;
+}
+
+#[tokio::test]
+async fn a_create_whose_start_command_fails_leaves_nothing() {
+    let faults = TierFaults {
+        failing_tag: Some("start".into()),
+        ..Default::default()
+    };
+    failed_create_leaves_nothing(faults, "web", "before the sandbox was ready").await;
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_before_anything_is_made() {
+    let w = world();
+    let cases = [
+        (
+            CreateSandboxRequest {
+                timeout: Some(0),
+                ..Default::default()
+            },
+            "timeout",
+        ),
+        (
+            CreateSandboxRequest {
+                pids: Some(1),
+                ..Default::default()
+            },
+            "pids",
+        ),
+        (
+            CreateSandboxRequest {
+                template: Some("no-such".into()),
+                ..Default::default()
+            },
+            "template",
+        ),
+        (
+            CreateSandboxRequest {
+                network: Some(Default::default()),
+                ..Default::default()
+            },
+            "network",
+        ),
+    ];
+    for (req, field) in cases {
+        let err = w.s.sandboxes.create(req).await.unwrap_err();
+        assert_eq!(err.field(), Some(field), "{err:?}");
+        assert!(
+            matches!(err, Error::Invalid { .. } | Error::NotFound { .. }),
+            "{err:?}"
+        );
+    }
+    assert!(w.tier.log().is_empty(), "{:?}", w.tier.log());
+    let missing =
+        w.s.sandboxes
+            .get("sbx_aaaaaaaaaaaaaaaaaaaaaaaaaa")
+            .unwrap_err();
+    assert!(matches!(missing, Error::NotFound { ref field, .. } if field == "id"));
+}
+
+#[tokio::test]
+async fn the_warm_pool_fills_serves_creates_that_fit_and_refills() {
+    let w = world_with(2, FakeTier::new(Isolation::Container));
+    tokio::spawn(w.s.pool.clone().run());
+    eventually("two pooled sandboxes", || {
+        w.s.pool.info().is_some_and(|p| p.ready == 2)
+    })
+    .await;
+    let pooled = w.tier.live();
+    assert_eq!(pooled.len(), 2);
+    // Pooled sandboxes are nobody's: not listed.
+    assert!(w
+        .s
+        .sandboxes
+        .list(&ListFilter::default())
+        .unwrap()
+        .is_empty());
+
+    let sbx =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                env: [("K".to_string(), "v".to_string())].into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    assert!(pooled.contains(&sbx.id), "not a pooled sandbox: {}", sbx.id);
+    let agent = w.tier.instance(&sbx.id).unwrap().agent;
+    // The creator's environment reaches the agent; its limits are the defaults, so the agent's
+    // configuration is the one it booted with.
+    assert_eq!(agent.env()["K"], "v");
+    assert_eq!(
+        agent
+            .routes()
+            .iter()
+            .filter(|r| **r == Route::Configure)
+            .count(),
+        1
+    );
+    eventually("the pool refilled", || w.tier.live().len() == 3).await;
+
+    // Other limits the tier can change: still pooled, with the new limits set.
+    let bigger =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                memory_mb: Some(1024),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let inst = w.tier.instance(&bigger.id).unwrap();
+    assert_eq!(inst.limits.memory_mb, 1024);
+    assert!(w.tier.log().contains(&format!("set_limits {}", bigger.id)));
+    // A /tmp of its own cannot be given to a started sandbox: a new one is started for it.
+    let creates_before = w
+        .tier
+        .log()
+        .iter()
+        .filter(|l| l.starts_with("create"))
+        .count();
+    let own =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                tmp_mb: Some(64),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    assert_eq!(w.tier.instance(&own.id).unwrap().spec.limits.tmp_mb, 64);
+    assert!(
+        w.tier
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("create"))
+            .count()
+            > creates_before,
+        "no new instance for a create the pool cannot serve"
+    );
+
+    // Draining removes the pooled ones and stops the refill until resumed.
+    w.s.pool.drain("base").await.unwrap();
+    assert_eq!(w.s.pool.info().unwrap().ready, 0);
+    assert_eq!(w.tier.live().len(), 3);
+}
+
+#[tokio::test]
+async fn a_tier_with_limits_fixed_at_start_gets_its_own_instance_for_other_limits() {
+    let tier = FakeTier::new(Isolation::Container).with_capabilities(TierCapabilities {
+        limits_fixed_at_start: true,
+        ..Default::default()
+    });
+    let w = world_with(1, tier);
+    tokio::spawn(w.s.pool.clone().run());
+    eventually("one pooled sandbox", || {
+        w.s.pool.info().is_some_and(|p| p.ready == 1)
+    })
+    .await;
+    let pooled = w.tier.live();
+    let sbx =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                memory_mb: Some(1024),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    assert!(!pooled.contains(&sbx.id));
+    assert!(!w.tier.log().iter().any(|l| l.starts_with("set_limits")));
+}
+
+#[tokio::test]
+async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
+    let w = world();
+    let killed = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let paused =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                on_timeout: Some(OnTimeout::Pause),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let idle =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                idle_timeout: Some(1),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let kept = w.s.sandboxes.create(Default::default()).await.unwrap();
+    // Nothing is due yet.
+    w.s.reaper.expire().await;
+    assert_eq!(w.tier.live().len(), 4);
+
+    let past = now_ms() - 1;
+    w.db.set_expiry(&killed.id, past).unwrap();
+    w.db.set_expiry(&paused.id, past).unwrap();
+    w.db.touch(&idle.id, now_ms() - 2000).unwrap();
+    w.s.reaper.expire().await;
+    assert!(w.db.get_sandbox(&killed.id).unwrap().is_none());
+    assert!(w.db.get_sandbox(&idle.id).unwrap().is_none());
+    assert_eq!(
+        w.s.sandboxes.get(&paused.id).unwrap().state,
+        SandboxState::Paused
+    );
+    assert!(w.tier.instance(&paused.id).unwrap().paused);
+    assert_eq!(w.tier.live(), {
+        let mut v = vec![paused.id.clone(), kept.id.clone()];
+        v.sort();
+        v
+    });
+}
+
+#[tokio::test]
+async fn pause_freezes_refuses_the_agent_and_resume_restarts_the_clock() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let r = w.s.sandboxes.pause(&sbx.id).await.unwrap();
+    assert!(r.processes_kept);
+    assert_eq!(r.sandbox.state, SandboxState::Paused);
+    assert!(w.tier.instance(&sbx.id).unwrap().paused);
+    assert!(matches!(
+        w.s.sandboxes.agent(&sbx.id).await,
+        Err(Error::Conflict(m)) if m.contains("paused")
+    ));
+    assert!(matches!(
+        w.s.sandboxes.pause(&sbx.id).await,
+        Err(Error::Conflict(_))
+    ));
+    w.db.set_expiry(&sbx.id, now_ms() - 1).unwrap();
+    let r =
+        w.s.sandboxes
+            .resume(&sbx.id, ResumeRequest { timeout: Some(600) })
+            .await
+            .unwrap();
+    assert_eq!(r.sandbox.state, SandboxState::Running);
+    assert!(!w.tier.instance(&sbx.id).unwrap().paused);
+    let rec = w.db.get_sandbox(&sbx.id).unwrap().unwrap();
+    assert!(
+        rec.expires_at_ms > now_ms() + 500_000,
+        "the timeout restarts"
+    );
+    assert!(matches!(
+        w.s.sandboxes
+            .resume(&sbx.id, ResumeRequest::default())
+            .await,
+        Err(Error::Conflict(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_restarted_daemon_readopts_live_sandboxes_and_removes_the_rest() {
+    let w = world();
+    let alive = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let dead = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let paused = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.s.sandboxes.pause(&paused.id).await.unwrap();
+    // What a crash leaves: a half-created sandbox (its row still `starting`)...
+    let half = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.db.set_state(&half.id, SandboxState::Starting).unwrap();
+    // ...an instance on the host no row owns, and sandboxes whose processes died with the host.
+    w.tier.leave_leftover("sbx_leftoverleftoverleftover22");
+    w.tier.kill(&dead.id);
+    w.tier.kill(&paused.id);
+
+    // The daemon starts again over the same store and host: nothing in memory survives.
+    let again = services(w.dir.path(), &w.db, &w.tier, 0);
+    again.recover().await.unwrap();
+
+    // Re-adopted: usable through a new agent connection.
+    let agent = again.sandboxes.agent(&alive.id).await.unwrap();
+    agent.processes().await.unwrap();
+    assert_eq!(
+        again.sandboxes.get(&alive.id).unwrap().state,
+        SandboxState::Running
+    );
+    // Gone: the dead one, the half-created one, the leftover.
+    assert!(w.db.get_sandbox(&dead.id).unwrap().is_none());
+    assert!(w.db.get_sandbox(&half.id).unwrap().is_none());
+    assert!(w.tier.instance(&half.id).is_none());
+    assert!(w
+        .tier
+        .log()
+        .contains(&"destroy sbx_leftoverleftoverleftover22".to_string()));
+    // Kept with its files: the paused one whose processes ended; a resume starts it over them.
+    let rec = w.db.get_sandbox(&paused.id).unwrap().unwrap();
+    assert_eq!(rec.state, SandboxState::Paused);
+    assert!(rec.tier_state.as_ref().is_none_or(|v| v.is_null()));
+    assert!(w.tier.log().contains(&format!("release {}", paused.id)));
+    let r = again
+        .sandboxes
+        .resume(&paused.id, ResumeRequest::default())
+        .await
+        .unwrap();
+    assert!(!r.processes_kept);
+    assert!(w.tier.instance(&paused.id).unwrap().spec.keep_files);
+    assert_eq!(w.tier.live(), {
+        let mut v = vec![alive.id.clone(), paused.id.clone()];
+        v.sort();
+        v
+    });
+}
+
+#[tokio::test]
+async fn a_half_created_sandbox_cannot_be_deleted_and_a_dead_one_is_removed() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.db.set_state(&sbx.id, SandboxState::Starting).unwrap();
+    assert!(matches!(
+        w.s.sandboxes.delete(&sbx.id).await,
+        Err(Error::Conflict(m)) if m.contains("still starting")
+    ));
+    w.db.set_state(&sbx.id, SandboxState::Running).unwrap();
+    // Its PID 1 dies behind the daemon's back: the reaper removes it, row and all.
+    w.tier.kill(&sbx.id);
+    w.s.reaper.remove_dead().await;
+    assert!(w.db.get_sandbox(&sbx.id).unwrap().is_none());
+    assert!(matches!(
+        w.s.sandboxes.delete(&sbx.id).await,
+        Err(Error::NotFound { .. })
+    ));
+}
+
+#[tokio::test]
+async fn delete_removes_the_instance_and_the_row() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.s.sandboxes.delete(&sbx.id).await.unwrap();
+    assert!(w.tier.live().is_empty());
+    assert!(rows(&w.db).is_empty());
+    assert_eq!(w.tier.log().last().unwrap(), &format!("destroy {}", sbx.id));
+}
+
+#[tokio::test]
+async fn a_tier_that_fails_to_destroy_leaves_the_row_for_the_next_try() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.tier.set_faults(TierFaults {
+        destroy: true,
+        ..Default::default()
+    });
+    let err = w.s.sandboxes.delete(&sbx.id).await.unwrap_err();
+    assert!(matches!(err, Error::Internal(_)), "{err:?}");
+    assert!(err.to_string().contains("told to fail destroys"), "{err}");
+    // Not forgotten: the row stays (stopping), so a later start-up removes it.
+    assert_eq!(
+        w.db.get_sandbox(&sbx.id).unwrap().unwrap().state,
+        SandboxState::Stopping
+    );
+}
