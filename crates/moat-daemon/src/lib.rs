@@ -1,8 +1,13 @@
 //! The moat daemon: REST API, sandbox lifecycle, isolation tiers and the host mechanisms under them.
 //!
-//! Request path: `api` (routing, auth, validation) → `sandboxes` (lifecycle, state in `db`) → a `tier`
-//! (how a sandbox is isolated) → `host` mechanisms (cgroups, mounts, /proc). Process and file requests
-//! go from `api::proxy` through `agent` to the in-sandbox agent.
+//! Request path: `api` (routing, auth, validation, the HTTP status of every error) → `sandboxes`
+//! (lifecycle, state in `db`) → a `tier` (how a sandbox is isolated) → `host` mechanisms (cgroups,
+//! mounts, /proc). Process and file requests go from `api::proxy` through `agent` (typed calls of
+//! `moat_api::protocol`'s route table) to the in-sandbox agent.
+//!
+//! Layers, bottom first; a module uses only modules below it (`tests/layering.rs` checks it):
+//! `clock`, `ids` · `host` · `agent` · `db`, `layers` · `tier` · `error` · `template` ·
+//! `sandboxes`, `code` · `audit` · `netlog` · `api` · `e2b` · `config` (the flags) · this file.
 
 pub mod agent;
 pub mod api;
