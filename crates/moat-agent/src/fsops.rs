@@ -1,5 +1,6 @@
 //! File endpoints: read/write whole files (streamed), stat, exists, list, mkdir, rename, remove.
 
+use moat_api::protocol::endpoint;
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
@@ -9,14 +10,11 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use moat_api::{
-    DirListing, EntryInfo, ExistsResponse, FileType, ListQuery, MkdirRequest, MkdirResponse,
-    PathQuery, RemoveQuery, RenameRequest, WriteQuery,
-};
+use moat_api::{DirListing, EntryInfo, ExistsResponse, FileType, MkdirResponse};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
-use crate::http::{json, no_content, parse_query, read_json, streamed, ApiError, HandlerResult};
+use crate::http::{json, no_content, streamed, ApiError, HandlerResult};
 use crate::users;
 
 const CHUNK: usize = 64 * 1024;
@@ -125,7 +123,7 @@ fn lookup_user(spec: Option<&str>) -> Result<users::User, ApiError> {
 
 /// `GET /files?path=`: streams the file in 64 KiB chunks.
 pub async fn read_file(query: Option<&str>) -> HandlerResult {
-    let q: PathQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::ReadFile>(query)?;
     let path = resolve(&q.path, "path")?;
     let shown = path.display().to_string();
     let file = std::fs::File::open(&path).map_err(|e| ApiError::io(&shown, &e))?;
@@ -184,7 +182,7 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// `PUT /files?path=&mode=&user=`: body → temp file → fsync → rename over the target.
 pub async fn write_file(query: Option<&str>, body: Incoming) -> HandlerResult {
-    let q: WriteQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::WriteFile>(query)?;
     let path = resolve(&q.path, "path")?;
     let mode = q
         .mode
@@ -263,13 +261,13 @@ async fn fill_temp(
 
 /// `GET /fs/stat?path=`
 pub fn stat(query: Option<&str>) -> HandlerResult {
-    let q: PathQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::Stat>(query)?;
     json(StatusCode::OK, &entry_info(&resolve(&q.path, "path")?)?)
 }
 
 /// `GET /fs/exists?path=`
 pub fn exists(query: Option<&str>) -> HandlerResult {
-    let q: PathQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::Exists>(query)?;
     let path = resolve(&q.path, "path")?;
     json(
         StatusCode::OK,
@@ -281,7 +279,7 @@ pub fn exists(query: Option<&str>) -> HandlerResult {
 
 /// `GET /fs/list?path=&depth=`
 pub async fn list(query: Option<&str>) -> HandlerResult {
-    let q: ListQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::ListDir>(query)?;
     let depth = q.depth.unwrap_or(1);
     if depth == 0 || depth > MAX_DEPTH {
         return Err(ApiError::invalid(
@@ -325,7 +323,7 @@ fn walk(dir: &Path, depth: u32, out: &mut Vec<EntryInfo>) -> std::io::Result<()>
 
 /// `POST /fs/mkdir`
 pub async fn mkdir(body: Incoming) -> HandlerResult {
-    let req: MkdirRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::Mkdir, _>(body).await?;
     let path = resolve(&req.path, "path")?;
     let user = lookup_user(req.user.as_deref())?;
     let resp = blocking(move || {
@@ -348,7 +346,7 @@ pub async fn mkdir(body: Incoming) -> HandlerResult {
 
 /// `POST /fs/rename`
 pub async fn rename(body: Incoming) -> HandlerResult {
-    let req: RenameRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::Rename, _>(body).await?;
     let from = resolve(&req.from, "from")?;
     let to = resolve(&req.to, "to")?;
     let info = blocking(move || {
@@ -366,7 +364,7 @@ pub async fn rename(body: Incoming) -> HandlerResult {
 
 /// `DELETE /fs?path=&recursive=`
 pub async fn remove(query: Option<&str>) -> HandlerResult {
-    let q: RemoveQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::Remove>(query)?;
     let path = resolve(&q.path, "path")?;
     if path == Path::new("/") {
         return Err(ApiError::invalid("path", "refusing to remove /"));

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http::{header, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full, Limited};
+use moat_api::protocol::Endpoint;
 use moat_api::{ErrorBody, ErrorCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -190,6 +191,21 @@ pub fn parse_query<T: DeserializeOwned>(query: Option<&str>) -> Result<T, ApiErr
         let field = field_of_serde_error(&msg).unwrap_or_else(|| "query".to_string());
         ApiError::invalid(&field, format!("invalid query: {msg}"))
     })
+}
+
+/// The query of endpoint `E` (its type is the protocol table's).
+pub fn query_of<E: Endpoint>(query: Option<&str>) -> Result<E::Query, ApiError> {
+    parse_query(query)
+}
+
+/// The JSON body of endpoint `E` (its type is the protocol table's).
+pub async fn body_of<E, B>(body: B) -> Result<E::Body, ApiError>
+where
+    E: Endpoint,
+    B: Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    read_json(body).await
 }
 
 /// Pulls the field name out of serde's "unknown field `x`" / "missing field `x`" messages.

@@ -5,6 +5,7 @@
 //! directories, file capabilities) as PAX `SCHILY.xattr.*` records, hard links, modes, owners and
 //! times. The daemon checks every entry when it unpacks the archive (the guest is not trusted).
 
+use moat_api::protocol::endpoint;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -15,10 +16,10 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
-use moat_api::guest::{FreezeRequest, SANDBOX_CGROUP};
+use moat_api::guest::SANDBOX_CGROUP;
 use tokio::sync::mpsc;
 
-use crate::http::{no_content, parse_query, read_json, streamed, ApiError, HandlerResult};
+use crate::http::{no_content, streamed, ApiError, HandlerResult};
 use crate::tarops::ChannelWriter;
 
 /// The overlay's upper directory, opened before the agent changed its root (it is not reachable
@@ -78,7 +79,7 @@ fn set_frozen(frozen: bool) -> std::io::Result<()> {
 
 /// `POST /vm/freeze`
 pub async fn freeze(body: Incoming) -> HandlerResult {
-    let req: FreezeRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::VmFreeze, _>(body).await?;
     tokio::task::spawn_blocking(move || {
         let mut held = FROZEN
             .lock()
@@ -95,7 +96,7 @@ pub async fn freeze(body: Incoming) -> HandlerResult {
 
 /// `POST /vm/clock`
 pub async fn set_clock(body: Incoming) -> HandlerResult {
-    let req: moat_api::guest::ClockRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::VmClock, _>(body).await?;
     if UPPER.get().is_none() {
         return Err(ApiError::conflict("only a VM's agent sets its clock"));
     }
@@ -111,7 +112,7 @@ pub async fn set_clock(body: Incoming) -> HandlerResult {
 /// `POST /vm/network`: gives the guest's `eth0` another address, route and nameserver, or takes
 /// them away (a VM restored from a snapshot into another sandbox's network).
 pub async fn set_network(body: Incoming) -> HandlerResult {
-    let req: moat_api::guest::NetworkRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::VmNetwork, _>(body).await?;
     if UPPER.get().is_none() {
         return Err(ApiError::conflict(
             "only a VM's agent configures its network",
@@ -126,7 +127,7 @@ pub async fn set_network(body: Incoming) -> HandlerResult {
 
 /// `GET /vm/layer[?freeze=true]`
 pub fn download(query: Option<&str>) -> HandlerResult {
-    let q: moat_api::protocol::LayerQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::VmLayer>(query)?;
     let root = upper_root()?;
     let (tx, rx) = mpsc::channel(8);
     tokio::task::spawn_blocking(move || {

@@ -1,5 +1,6 @@
 //! Process endpoints: start, list, events (re-attach), stdin, close-stdin, signal, resize.
 
+use moat_api::protocol::endpoint;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -10,15 +11,10 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use moat_api::{
-    AttachQuery, ProcessEvent, ProcessList, ProcessSelector, PtySize, SignalRequest,
-    StartProcessRequest, NDJSON,
-};
+use moat_api::{ProcessEvent, ProcessList, ProcessSelector, NDJSON};
 use tokio::sync::mpsc;
 
-use crate::http::{
-    json, ndjson_line, no_content, parse_query, read_json, streamed, ApiError, HandlerResult,
-};
+use crate::http::{json, ndjson_line, no_content, streamed, ApiError, HandlerResult};
 use crate::process::{arm_timeout, master_fd, signal_group, Proc, SpawnSpec};
 use crate::ring::{Item, Reader};
 use crate::server::Agent;
@@ -28,7 +24,7 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 
 /// `POST /processes`
 pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
-    let req: StartProcessRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::StartProcess, _>(body).await?;
     let argv = match (&req.cmd, &req.command) {
         (Some(cmd), None) if !cmd.is_empty() => cmd.clone(),
         (None, Some(command)) => {
@@ -240,7 +236,7 @@ pub fn list(agent: &Agent) -> HandlerResult {
 
 /// `GET /processes/{sel}/events`
 pub fn events(agent: &Agent, sel: &str, query: Option<&str>) -> HandlerResult {
-    let q: AttachQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::ProcessEvents>(query)?;
     let proc = selected(agent, sel)?;
     let reader = proc.ring.attach(q.replay.unwrap_or(true));
     Ok(event_stream(proc, reader))
@@ -296,7 +292,7 @@ pub fn close_stdin(agent: &Agent, sel: &str) -> HandlerResult {
 /// `POST /processes/{sel}/signal`
 pub async fn signal(agent: &Agent, sel: &str, body: Incoming) -> HandlerResult {
     let proc = selected(agent, sel)?;
-    let req: SignalRequest = read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::ProcessSignal, _>(body).await?;
     let sig = moat_api::parse_signal(&req.signal).map_err(|e| ApiError::invalid("signal", e))?;
     if !proc.running() {
         return Err(ApiError::conflict(format!(
@@ -314,7 +310,7 @@ pub async fn signal(agent: &Agent, sel: &str, body: Incoming) -> HandlerResult {
 /// `POST /processes/{sel}/resize`
 pub async fn resize(agent: &Agent, sel: &str, body: Incoming) -> HandlerResult {
     let proc = selected(agent, sel)?;
-    let size: PtySize = read_json(body).await?;
+    let size = crate::http::body_of::<endpoint::ProcessResize, _>(body).await?;
     if size.cols == 0 || size.rows == 0 {
         return Err(ApiError::invalid(
             "cols",

@@ -1,5 +1,6 @@
 //! Accepting connections, serving each with HTTP/2 (prior knowledge) and routing by method + path.
 
+use moat_api::protocol::endpoint;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -273,7 +274,7 @@ async fn route(
 
 /// `POST /config`: the sandbox's per-process limits and its OOM counter file (see docs/resources.md).
 async fn set_config(agent: &Agent, body: Incoming) -> HandlerResult {
-    let c: moat_api::AgentConfig = crate::http::read_json(body).await?;
+    let c = crate::http::body_of::<endpoint::Configure, _>(body).await?;
     if c.nofile.is_some_and(|n| n < 16) {
         return Err(ApiError::invalid("nofile", "nofile must be at least 16"));
     }
@@ -300,7 +301,7 @@ async fn set_config(agent: &Agent, body: Incoming) -> HandlerResult {
 /// `POST /env`: merges variables into the base environment of processes started from now on (a
 /// sandbox taken from the warm pool gets the environment its creator asked for this way).
 async fn set_env(agent: &Agent, body: Incoming) -> HandlerResult {
-    let req: moat_api::EnvUpdate = crate::http::read_json(body).await?;
+    let req = crate::http::body_of::<endpoint::SetEnv, _>(body).await?;
     for k in req.env.keys() {
         if k.is_empty() || k.contains('=') || k.contains('\0') {
             return Err(ApiError::invalid(

@@ -1,17 +1,17 @@
 //! `GET /fs/tar` and `PUT /fs/tar`: tar archives streamed in both directions without buffering the
 //! whole archive (a blocking worker on one side, a bounded channel on the other).
 
+use moat_api::protocol::endpoint;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use bytes::{Buf, Bytes};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use moat_api::PathQuery;
 use tokio::sync::mpsc;
 
 use crate::fsops::{blocking, create_dirs, resolve};
-use crate::http::{no_content, parse_query, streamed, ApiError, HandlerResult};
+use crate::http::{no_content, streamed, ApiError, HandlerResult};
 
 const CHUNK: usize = 64 * 1024;
 
@@ -98,7 +98,7 @@ fn build_archive(path: &Path, w: ChannelWriter) -> std::io::Result<()> {
 
 /// `GET /fs/tar?path=`
 pub fn download(query: Option<&str>) -> HandlerResult {
-    let q: PathQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::DownloadTar>(query)?;
     let path = resolve(&q.path, "path")?;
     let shown = path.display().to_string();
     std::fs::symlink_metadata(&path).map_err(|e| ApiError::io(&shown, &e))?;
@@ -147,7 +147,7 @@ fn extract(dest: &Path, r: ChannelReader) -> Result<(), ApiError> {
 
 /// `PUT /fs/tar?path=`
 pub async fn upload(query: Option<&str>, mut body: Incoming) -> HandlerResult {
-    let q: PathQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::UploadTar>(query)?;
     let dest = resolve(&q.path, "path")?;
     {
         let dest = dest.clone();

@@ -3,6 +3,7 @@
 //! tunnel. The daemon uses it to expose sandbox ports (HTTP and WebSocket preview URLs) on every
 //! tier, without the sandbox needing a network.
 
+use moat_api::protocol::endpoint;
 use std::io;
 
 use bytes::Bytes;
@@ -12,10 +13,10 @@ use hyper::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::http::{parse_query, streamed, ApiError, HandlerResult};
+use crate::http::{streamed, ApiError, HandlerResult};
 
 pub async fn tunnel(query: Option<&str>, mut body: Incoming) -> HandlerResult {
-    let q: moat_api::protocol::TcpQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::Tcp>(query)?;
     if q.port == 0 {
         return Err(ApiError::invalid("port", "port must be 1..=65535"));
     }

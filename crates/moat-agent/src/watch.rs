@@ -1,18 +1,19 @@
 //! `GET /fs/watch`: inotify events as an NDJSON stream of `FsEvent`. The inotify instance (and with
 //! it every watch) goes away when the client does.
 
+use moat_api::protocol::endpoint;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
-use moat_api::{FsEvent, FsEventKind, WatchQuery, NDJSON};
+use moat_api::{FsEvent, FsEventKind, NDJSON};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use crate::fsops::resolve;
-use crate::http::{ndjson_line, now_us, parse_query, streamed, ApiError, HandlerResult};
+use crate::http::{ndjson_line, now_us, streamed, ApiError, HandlerResult};
 
 /// Most watches one stream may add (recursive watches of huge trees stop there).
 const MAX_WATCHES: usize = 8192;
@@ -142,7 +143,7 @@ fn collect_entries(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) {
 
 /// `GET /fs/watch?path=&recursive=`
 pub fn watch(query: Option<&str>) -> HandlerResult {
-    let q: WatchQuery = parse_query(query)?;
+    let q = crate::http::query_of::<endpoint::Watch>(query)?;
     let path = resolve(&q.path, "path")?;
     let shown = path.display().to_string();
     let meta = std::fs::symlink_metadata(&path).map_err(|e| ApiError::io(&shown, &e))?;

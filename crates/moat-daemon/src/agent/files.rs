@@ -90,12 +90,6 @@ impl AgentClient {
         self.call::<endpoint::Remove>(None, &q, &()).await
     }
 
-    /// A directory (or file) as a tar stream.
-    pub async fn download_tar(&self, path: &str) -> Result<Response<Incoming>, AgentError> {
-        self.request::<endpoint::DownloadTar>(None, &at(path), None, Body::empty())
-            .await
-    }
-
     /// Unpacks a tar stream into directory `dir`.
     pub async fn upload_tar(&self, dir: &str, body: Body) -> Result<(), AgentError> {
         let resp = self

@@ -59,14 +59,6 @@ impl AgentError {
             _ => None,
         }
     }
-
-    /// The agent's error class and field, when it refused.
-    pub fn refusal(&self) -> Option<&ErrorBody> {
-        match self {
-            AgentError::Refused { body, .. } => Some(body),
-            _ => None,
-        }
-    }
 }
 
 /// Speaks HTTP/2 over `stream` to the agent of sandbox `id`; the connection runs in a task of its

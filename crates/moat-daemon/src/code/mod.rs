@@ -70,7 +70,7 @@ fn forget_lock(sandbox: &str, ctx: &str) {
 }
 
 fn agent_err(e: AgentError) -> Error {
-    Error::internal(format!("{e}"))
+    Error::Agent(e)
 }
 
 fn kernel(ctx: &str) -> ProcessSelector {

@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::ids::valid_sandbox_id;
 use crate::layers::LayerStore;
 use crate::template::store::TemplateStore;
-use crate::tier::IsolationTier;
+use crate::tier::{IsolationTier, TierCapabilities};
 
 /// The idle clock is written at most this often per sandbox.
 const TOUCH_EVERY_MS: i64 = 1000;
@@ -70,6 +70,8 @@ pub struct Core {
     pub(super) templates: Arc<TemplateStore>,
     pub(super) layers: Arc<LayerStore>,
     tiers: HashMap<Isolation, Arc<dyn IsolationTier>>,
+    /// Each tier's capabilities, asked once.
+    capabilities: HashMap<Isolation, TierCapabilities>,
     /// Open agent connections by sandbox (re-made from the database after a restart).
     pub(super) agents: RwLock<HashMap<String, Arc<AgentClient>>>,
     pub(super) host: HostLimits,
@@ -173,6 +175,10 @@ impl Core {
             db,
             templates,
             layers,
+            capabilities: tiers
+                .iter()
+                .map(|t| (t.isolation(), t.capabilities()))
+                .collect(),
             tiers: tiers.into_iter().map(|t| (t.isolation(), t)).collect(),
             agents: RwLock::new(HashMap::new()),
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
@@ -221,6 +227,11 @@ impl Core {
                 .collect();
         out.sort_by_key(|t| t.isolation.as_str());
         out
+    }
+
+    /// How tier `i` differs from the others (none of the quirks for a tier this daemon lacks).
+    pub(super) fn capabilities(&self, i: Isolation) -> TierCapabilities {
+        self.capabilities.get(&i).cloned().unwrap_or_default()
     }
 
     /// Every tier this daemon has.
@@ -408,7 +419,7 @@ impl Core {
     }
 
     /// Removes layers no sandbox or snapshot uses any more.
-    pub fn gc_layers(&self) {
+    pub(super) fn gc_layers(&self) {
         let _g = self
             .layer_lock
             .lock()

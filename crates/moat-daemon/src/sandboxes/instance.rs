@@ -155,7 +155,7 @@ impl Core {
                 self.full_image_of(rec.snapshot.as_deref())?
             },
         };
-        let config = agent_config(&rec.limits, tier.as_ref(), &rec.runtime);
+        let config = agent_config(&rec.limits, &self.capabilities(rec.isolation), &rec.runtime);
         let restoring = spec.restore.is_some();
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.

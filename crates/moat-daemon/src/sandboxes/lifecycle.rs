@@ -120,8 +120,8 @@ impl Lifecycle {
         if snapshot.is_none()
             && self.pool.serves(&template, isolation)
             && fixed(&claim.limits) == fixed(&defaults)
-            && tier
-                .capabilities()
+            && self
+                .capabilities(isolation)
                 .can_take_limits(&defaults, &claim.limits)
         {
             if let Some(rec) = self.pool.claim(&claim, &tier).await {
@@ -212,9 +212,10 @@ impl Lifecycle {
         }
         // A tier whose sandbox processes are in a cgroup inside (a microVM's guest) counts their OOM
         // kills there; the host cgroup's count is QEMU's. Read through the agent, unless paused.
-        if let (Some(path), SandboxState::Running) =
-            (tier.capabilities().oom_counter_inside, rec.state)
-        {
+        if let (Some(path), SandboxState::Running) = (
+            self.capabilities(rec.isolation).oom_counter_inside,
+            rec.state,
+        ) {
             if let Some(n) = self.inner_oom_kills(id, &path).await {
                 u.oom_kills = u.oom_kills.max(n);
             }

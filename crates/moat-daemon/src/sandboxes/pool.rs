@@ -74,7 +74,11 @@ impl Pool {
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             if claim.limits != defaults {
                 agent
-                    .configure(&agent_config(&claim.limits, tier.as_ref(), &rec.runtime))
+                    .configure(&agent_config(
+                        &claim.limits,
+                        &self.core.capabilities(rec.isolation),
+                        &rec.runtime,
+                    ))
                     .await?;
             }
             if !claim.env.is_empty() {

@@ -189,7 +189,7 @@ impl Snapshots {
             }
             // The agent's connection ends with the checkpoint (on most tiers); the next request
             // reconnects.
-            let ends = tier.capabilities().checkpoint_ends_connections;
+            let ends = self.capabilities(rec.isolation).checkpoint_ends_connections;
             if ends {
                 self.agents.write().await.remove(id);
             }

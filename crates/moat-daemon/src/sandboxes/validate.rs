@@ -7,7 +7,7 @@ use moat_api::{AgentConfig, CreateSandboxRequest, Isolation, SandboxLimits};
 
 use super::core::Core;
 use crate::error::Error;
-use crate::tier::IsolationTier;
+use crate::tier::TierCapabilities;
 
 /// Per-process output buffer bounds, bytes.
 const OUTPUT_BYTES_RANGE: std::ops::RangeInclusive<u64> = (64 << 10)..=(256 << 20);
@@ -93,15 +93,14 @@ pub(super) fn limits_over(base: &SandboxLimits, req: &CreateSandboxRequest) -> S
 
 pub(super) fn agent_config(
     l: &SandboxLimits,
-    tier: &dyn IsolationTier,
+    caps: &TierCapabilities,
     runtime: &moat_api::TemplateConfig,
 ) -> AgentConfig {
-    let caps = tier.capabilities();
     AgentConfig {
         nofile: Some(l.nofile),
         output_bytes: Some(l.output_bytes),
         command_timeout: Some(l.command_timeout as f64),
-        oom_counter: caps.oom_counter_inside,
+        oom_counter: caps.oom_counter_inside.clone(),
         nproc: caps.process_limit_inside.then_some(l.pids),
         user: runtime.user.clone(),
         cwd: runtime.workdir.clone(),
