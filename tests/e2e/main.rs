@@ -12,6 +12,7 @@ mod commands;
 mod escape;
 mod files;
 mod hardening;
+mod hostile;
 mod images;
 mod isolation;
 mod lifecycle;

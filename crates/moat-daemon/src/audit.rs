@@ -67,9 +67,30 @@ struct Known {
     exited: HashSet<ProcKey>,
 }
 
+/// Requests refused for their key that may be written one by one: a burst of this many, then this
+/// many a second; the rest are counted and written as one `auth.refused` entry every
+/// [`REFUSED_SUMMARY_EVERY`].
+const REFUSED_BURST: f64 = 50.0;
+const REFUSED_PER_SECOND: f64 = 20.0;
+const REFUSED_SUMMARY_EVERY: Duration = Duration::from_secs(10);
+/// Distinct actions a summary names (the rest are counted under `other`).
+const REFUSED_ACTIONS: usize = 32;
+
+/// Refused requests beyond the rate: counted, written as one summary.
+#[derive(Debug)]
+struct Refused {
+    tokens: f64,
+    last_ms: i64,
+    suppressed: u64,
+    since_ms: i64,
+    actions: std::collections::BTreeMap<String, u64>,
+    other: u64,
+}
+
 pub struct Audit {
     db: Arc<Db>,
     tx: mpsc::Sender<Msg>,
+    refused: Mutex<Refused>,
     /// Sandboxes to poll for command starts and exits.
     watched: Mutex<HashSet<String>>,
     /// Per sandbox, the processes already recorded.
@@ -79,17 +100,100 @@ pub struct Audit {
 }
 
 impl Audit {
-    /// Creates the log and spawns its writer task (call inside the runtime).
-    pub fn start(db: Arc<Db>) -> Arc<Audit> {
+    /// Creates the log and spawns its writer task (call inside the runtime); it keeps at most
+    /// `max_entries` entries (0: no cap), the oldest going first as new ones are written.
+    pub fn start(db: Arc<Db>, max_entries: u64) -> Arc<Audit> {
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(writer(db.clone(), rx));
-        Arc::new(Audit {
+        tokio::spawn(writer(db.clone(), rx, max_entries));
+        let audit = Arc::new(Audit {
             db,
             tx,
+            refused: Mutex::new(Refused {
+                tokens: REFUSED_BURST,
+                last_ms: now_ms(),
+                suppressed: 0,
+                since_ms: 0,
+                actions: Default::default(),
+                other: 0,
+            }),
             watched: Mutex::new(HashSet::new()),
             known: tokio::sync::Mutex::new(HashMap::new()),
             wake: tokio::sync::Notify::new(),
-        })
+        });
+        let weak = Arc::downgrade(&audit);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(REFUSED_SUMMARY_EVERY);
+            loop {
+                tick.tick().await;
+                let Some(a) = weak.upgrade() else { return };
+                a.write_refused_summary().await;
+            }
+        });
+        audit
+    }
+
+    /// Records a request refused for its API key: written as it is while such requests are
+    /// rare; past [`REFUSED_PER_SECOND`] (after a burst) counted and summarised, so a client
+    /// without a key cannot fill the log (or the disk) or push out real entries.
+    pub async fn refused(&self, e: NewEntry) {
+        let write = {
+            let mut r = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+            let elapsed = (e.at_ms - r.last_ms).max(0) as f64 / 1000.0;
+            r.tokens = (r.tokens + elapsed * REFUSED_PER_SECOND).min(REFUSED_BURST);
+            r.last_ms = e.at_ms.max(r.last_ms);
+            if r.tokens >= 1.0 {
+                r.tokens -= 1.0;
+                true
+            } else {
+                if r.suppressed == 0 {
+                    r.since_ms = e.at_ms;
+                }
+                r.suppressed += 1;
+                if r.actions.contains_key(&e.action) || r.actions.len() < REFUSED_ACTIONS {
+                    *r.actions.entry(e.action.clone()).or_default() += 1;
+                } else {
+                    r.other += 1;
+                }
+                false
+            }
+        };
+        if write {
+            self.record(e).await;
+        }
+    }
+
+    /// Writes the summary of refused requests not written one by one since the last one.
+    async fn write_refused_summary(&self) {
+        let entry = {
+            let mut r = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+            if r.suppressed == 0 {
+                return;
+            }
+            let mut actions: serde_json::Map<String, serde_json::Value> =
+                std::mem::take(&mut r.actions)
+                    .into_iter()
+                    .map(|(k, v)| (k, v.into()))
+                    .collect();
+            if r.other > 0 {
+                actions.insert("other".into(), r.other.into());
+            }
+            let e = NewEntry {
+                at_ms: now_ms(),
+                actor: ANONYMOUS.to_string(),
+                action: "auth.refused".into(),
+                sandbox_id: None,
+                status: Some(401),
+                detail: serde_json::json!({
+                    "count": r.suppressed,
+                    "since": rfc3339(r.since_ms),
+                    "actions": actions,
+                }),
+            };
+            r.suppressed = 0;
+            r.other = 0;
+            e
+        };
+        self.record(entry).await;
     }
 
     /// Appends an entry (waits while the writer's queue is full; never drops it).
@@ -97,15 +201,17 @@ impl Audit {
         if let Err(mpsc::error::SendError(Msg::Entry(e))) = self.tx.send(Msg::Entry(e)).await {
             // Only when the writer is gone (the runtime is shutting down): write it here.
             let db = self.db.clone();
-            let r = tokio::task::spawn_blocking(move || insert(&db, &[e])).await;
+            let r = tokio::task::spawn_blocking(move || insert(&db, &[e], 0)).await;
             if !matches!(r, Ok(Ok(()))) {
                 tracing::error!("audit: could not write an entry");
             }
         }
     }
 
-    /// Waits until everything recorded before is in the database.
+    /// Waits until everything recorded before is in the database (a pending summary of refused
+    /// requests included).
     pub async fn flush(&self) {
+        self.write_refused_summary().await;
         let (tx, rx) = oneshot::channel();
         if self.tx.send(Msg::Flush(tx)).await.is_ok() {
             let _ = rx.await;
@@ -426,7 +532,7 @@ pub fn parse_time(field: &str, s: &str) -> Result<i64, Error> {
         })
 }
 
-fn insert(db: &Db, entries: &[NewEntry]) -> Result<()> {
+fn insert(db: &Db, entries: &[NewEntry], max_entries: u64) -> Result<()> {
     Ok(db.with_conn(|c| {
         let tx = c.transaction()?;
         {
@@ -445,11 +551,29 @@ fn insert(db: &Db, entries: &[NewEntry]) -> Result<()> {
                 ])?;
             }
         }
+        cap(&tx, "audit", max_entries)?;
         tx.commit()
     })?)
 }
 
-async fn writer(db: Arc<Db>, mut rx: mpsc::Receiver<Msg>) {
+/// Removes the oldest rows of a log table (ids only grow) beyond `max_entries` (0: no cap), in the
+/// transaction that just inserted: the cap holds all the time, not only when retention runs.
+pub fn cap(c: &rusqlite::Connection, table: &str, max_entries: u64) -> rusqlite::Result<()> {
+    if max_entries == 0 {
+        return Ok(());
+    }
+    let last = c.last_insert_rowid();
+    let keep = i64::try_from(max_entries).unwrap_or(i64::MAX);
+    if last > keep {
+        c.execute(
+            &format!("DELETE FROM {table} WHERE id <= ?1"),
+            params![last - keep],
+        )?;
+    }
+    Ok(())
+}
+
+async fn writer(db: Arc<Db>, mut rx: mpsc::Receiver<Msg>, max_entries: u64) {
     while let Some(first) = rx.recv().await {
         let mut msgs = vec![first];
         while msgs.len() < BATCH {
@@ -471,7 +595,7 @@ async fn writer(db: Arc<Db>, mut rx: mpsc::Receiver<Msg>) {
             // A failed write (disk full, locked database) is retried, then reported loudly.
             for attempt in 0..5 {
                 let (db, batch) = (db.clone(), entries.clone());
-                match tokio::task::spawn_blocking(move || insert(&db, &batch)).await {
+                match tokio::task::spawn_blocking(move || insert(&db, &batch, max_entries)).await {
                     Ok(Ok(())) => break,
                     Ok(Err(e)) if attempt < 4 => {
                         tracing::warn!("audit write failed, retrying: {e:#}");
@@ -500,7 +624,7 @@ mod tests {
     #[tokio::test]
     async fn record_query_prune() {
         let db = Arc::new(Db::open_in_memory().unwrap());
-        let audit = Audit::start(db);
+        let audit = Audit::start(db, 0);
         for i in 0..5 {
             audit
                 .record(NewEntry {
@@ -539,5 +663,75 @@ mod tests {
         assert_eq!(audit.prune(0, 0).unwrap(), 0);
         assert_eq!(audit.prune(1, 100).unwrap(), 3);
         assert_eq!(key_id("k").len(), 12);
+    }
+
+    fn entry(at_ms: i64, action: &str) -> NewEntry {
+        NewEntry {
+            at_ms,
+            actor: ANONYMOUS.into(),
+            action: action.into(),
+            sandbox_id: None,
+            status: Some(401),
+            detail: json!({}),
+        }
+    }
+
+    #[tokio::test]
+    async fn refused_requests_are_rate_limited_and_summarised() {
+        let db = Arc::new(Db::open_in_memory().unwrap());
+        let audit = Audit::start(db, 0);
+        let t = now_ms();
+        // A flood of key-less requests within one second.
+        for i in 0..1000 {
+            let action = if i % 2 == 0 {
+                "GET /v1/sandboxes"
+            } else {
+                "POST /v1/sandboxes"
+            };
+            audit.refused(entry(t + i / 1000, action)).await;
+        }
+        audit.flush().await;
+        let all = audit
+            .query(
+                &AuditQuery {
+                    limit: Some(MAX_LIMIT),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        let one_by_one = all.iter().filter(|e| e.action != "auth.refused").count();
+        assert_eq!(one_by_one, REFUSED_BURST as usize);
+        let summary = all.iter().find(|e| e.action == "auth.refused").unwrap();
+        assert_eq!(summary.detail["count"], 1000 - REFUSED_BURST as u64);
+        assert_eq!(summary.status, Some(401));
+        let actions = summary.detail["actions"].as_object().unwrap();
+        assert_eq!(actions.len(), 2);
+        // The rate comes back: a second later, refused requests are written one by one again.
+        audit.refused(entry(t + 2000, "GET /v1/templates")).await;
+        audit.flush().await;
+        let last = audit
+            .query(&AuditQuery::default(), None)
+            .await
+            .unwrap()
+            .into_iter()
+            .last()
+            .unwrap();
+        assert_eq!(last.action, "GET /v1/templates");
+    }
+
+    #[tokio::test]
+    async fn the_cap_holds_as_entries_are_written() {
+        let db = Arc::new(Db::open_in_memory().unwrap());
+        let audit = Audit::start(db, 10);
+        for i in 0..25 {
+            audit.record(entry(i, &format!("a{i}"))).await;
+        }
+        audit.flush().await;
+        let all = audit.query(&AuditQuery::default(), None).await.unwrap();
+        assert_eq!(all.len(), 10);
+        assert_eq!(all[0].action, "a15");
+        assert_eq!(all[9].action, "a24");
     }
 }

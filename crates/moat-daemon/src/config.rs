@@ -151,6 +151,25 @@ pub struct ServeArgs {
         value_name = "ADDR|off"
     )]
     pub e2b_listen: String,
+    /// Connections the API listeners (REST and E2B, each) hold open at once; kept below half the
+    /// daemon's open-file limit. More are answered 503 and closed.
+    #[arg(long, env = "MOAT_MAX_CONNECTIONS", default_value_t = 4096,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
+    /// Connections one client address may hold open at once on each API listener.
+    #[arg(long, env = "MOAT_MAX_CONNECTIONS_PER_CLIENT", default_value_t = 1024,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections_per_client: u64,
+    /// Seconds a request's head may take to arrive (a half-sent request, or an HTTP/1.1 connection
+    /// idle between requests, is closed after them).
+    #[arg(long, env = "MOAT_HEADER_TIMEOUT", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub header_timeout: u64,
+    /// Seconds a request body may send nothing while the daemon reads it (process stdin streams
+    /// excepted) before the request fails.
+    #[arg(long, env = "MOAT_BODY_IDLE_TIMEOUT", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub body_idle_timeout: u64,
     /// Largest build context (the files a template spec's `copy` steps take) accepted, in MiB.
     #[arg(long, env = "MOAT_MAX_BUILD_CONTEXT_MB", default_value_t = 2048)]
     pub max_build_context_mb: u64,
@@ -215,6 +234,16 @@ impl ServeArgs {
             a => a.parse().map(Some).map_err(|e| {
                 anyhow::anyhow!("--e2b-listen {a}: {e} (an address like 127.0.0.1:6629, or off)")
             }),
+        }
+    }
+
+    /// What each API listener allows (before [`crate::api::serve::Limits::within_file_limit`]).
+    pub fn listen_limits(&self) -> crate::api::serve::Limits {
+        crate::api::serve::Limits {
+            max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
+            max_per_client: usize::try_from(self.max_connections_per_client).unwrap_or(usize::MAX),
+            header_timeout: std::time::Duration::from_secs(self.header_timeout),
+            body_idle_timeout: std::time::Duration::from_secs(self.body_idle_timeout),
         }
     }
 

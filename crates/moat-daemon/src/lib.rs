@@ -42,6 +42,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     if !nix::unistd::geteuid().is_root() {
         bail!("moat serve must run as root (it creates namespaces, cgroups and mounts)");
     }
+    raise_file_limit();
     // Sandboxes' PID 1s are re-parented to the daemon when their init helper exits, so it can reap them.
     nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
     std::fs::create_dir_all(&args.data_dir)
@@ -61,8 +62,8 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     templates.recover(&db)?;
     let agent = install_agent(&args)?;
     let settings = args.settings()?;
-    let audit = audit::Audit::start(db.clone());
-    let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone());
+    let audit = audit::Audit::start(db.clone(), args.audit_max_entries);
+    let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone(), args.audit_max_entries);
     let network = network_for(&args, db.clone(), events).await?;
     if let Some((net, egress)) = network.as_ref().filter(|n| !n.0.deny_files().is_empty()) {
         tokio::spawn(watch_deny_list(net.clone(), egress.clone()));
@@ -132,10 +133,11 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         audit: audit.clone(),
         netlog,
     });
+    let limits = args.listen_limits().within_file_limit();
     if let Some(addr) = args.e2b_addr()? {
         let e2b = e2b::E2b::new(state.clone());
         tokio::spawn(async move {
-            if let Err(err) = e2b::serve(e2b, addr, shutdown_signal()).await {
+            if let Err(err) = e2b::serve(e2b, addr, limits, shutdown_signal()).await {
                 tracing::error!("{err:#}");
             }
         });
@@ -144,31 +146,30 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
-    // Streamed answers are many small writes: without TCP_NODELAY, Nagle's algorithm and the peer's
-    // delayed ACK add ~40 ms to the first event of a stream.
-    let tcp = axum::serve::ListenerExt::tap_io(tcp, |s: &mut tokio::net::TcpStream| {
-        let _ = s.set_nodelay(true);
-    });
-    tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), "moat daemon listening");
+    tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), max_connections = limits.max_connections, "moat daemon listening");
     if let Some(path) = &args.unix_socket {
         let _ = std::fs::remove_file(path);
         let uds = tokio::net::UnixListener::bind(path)
             .with_context(|| format!("listen on {}", path.display()))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         let app = app.clone();
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(uds, app)
-                .with_graceful_shutdown(shutdown_signal())
-                .await
-            {
-                tracing::error!("unix socket server: {e}");
-            }
-        });
+        tokio::spawn(api::serve::serve(
+            api::serve::Listener::Unix(uds),
+            app,
+            limits,
+            api::stdin_stream,
+            shutdown_signal(),
+        ));
         tracing::info!(socket = %path.display(), "also listening on unix socket");
     }
-    axum::serve(tcp, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    api::serve::serve(
+        api::serve::Listener::Tcp(tcp),
+        app,
+        limits,
+        api::stdin_stream,
+        shutdown_signal(),
+    )
+    .await;
     audit.flush().await;
     // Pooled sandboxes are nobody's: they go with a clean stop (the pool refills at the next start);
     // a crash leaves them to be re-adopted or trimmed then.
@@ -180,6 +181,19 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     }
     tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
     Ok(())
+}
+
+/// Raises the daemon's soft open-file limit to its hard one: every connection, sandbox and proxied
+/// connection holds descriptors, and the connection caps are taken from it.
+fn raise_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("raise the open-file limit from {soft} to {hard}: {e}");
+            }
+        }
+    }
 }
 
 async fn shutdown_signal() {
@@ -256,32 +270,63 @@ pub fn load_or_create_api_key(path: &Path) -> Result<String> {
 
 /// Finds the static agent binary and copies it, content-addressed, into `<data_dir>/bin`, so what
 /// sandboxes bind-mount is root-owned and never changes under a running sandbox.
-fn install_agent(args: &ServeArgs) -> Result<PathBuf> {
-    let candidates: Vec<PathBuf> = match &args.agent {
-        Some(p) => vec![p.clone()],
-        None => {
-            let mut v = Vec::new();
-            if let Ok(exe) = std::env::current_exe() {
-                if let Some(d) = exe.parent() {
-                    v.push(d.join("moat-agent"));
-                }
-            }
-            v.push(PathBuf::from("/usr/local/lib/moat/moat-agent"));
-            v
+/// Where to look for the agent when `--agent` names none: beside the `moat` binary, the static
+/// build `scripts/build-agent.sh` leaves in the same cargo target directory (a daemon started from
+/// the build tree: cargo leaves a dynamically linked `moat-agent` beside it), then where
+/// `scripts/setup.sh` installs it.
+fn agent_candidates(exe: Option<&Path>) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(dir) = exe.and_then(Path::parent) {
+        v.push(dir.join("moat-agent"));
+        // <target>/<profile>/moat → <target>/x86_64-unknown-linux-gnu/<profile>/moat-agent
+        if let (Some(profile), Some(target)) = (dir.file_name(), dir.parent()) {
+            v.push(
+                target
+                    .join("x86_64-unknown-linux-gnu")
+                    .join(profile)
+                    .join("moat-agent"),
+            );
         }
-    };
-    let src = candidates
-        .iter()
-        .find(|p| p.is_file())
-        .with_context(|| format!("no agent binary found (looked at {candidates:?}); build it with scripts/build-agent.sh and pass --agent"))?;
-    let mut bytes = Vec::new();
-    std::fs::File::open(src)?.read_to_end(&mut bytes)?;
-    if elf_has_interpreter(&bytes)? {
-        bail!(
-            "agent {} is dynamically linked; sandboxes need a static one (scripts/build-agent.sh)",
-            src.display()
-        );
     }
+    v.push(PathBuf::from("/usr/local/lib/moat/moat-agent"));
+    v
+}
+
+/// The first candidate that is a static ELF binary, with its bytes; the error says what each
+/// other one was and what to do.
+fn pick_agent(candidates: &[PathBuf]) -> Result<(PathBuf, Vec<u8>)> {
+    let mut skipped = Vec::new();
+    for p in candidates {
+        let mut bytes = Vec::new();
+        match std::fs::File::open(p).and_then(|mut f| f.read_to_end(&mut bytes)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                skipped.push(format!("{}: not there", p.display()))
+            }
+            Err(e) => skipped.push(format!("{}: {e}", p.display())),
+            Ok(_) => match elf_has_interpreter(&bytes) {
+                Ok(false) => return Ok((p.clone(), bytes)),
+                Ok(true) => skipped.push(format!(
+                    "{}: dynamically linked (sandboxes need a static one)",
+                    p.display()
+                )),
+                Err(e) => skipped.push(format!("{}: {e:#}", p.display())),
+            },
+        }
+    }
+    bail!(
+        "no static agent binary found ({}); build one with scripts/build-agent.sh (or run \
+         scripts/setup.sh) and pass its path with --agent",
+        skipped.join("; ")
+    )
+}
+
+fn install_agent(args: &ServeArgs) -> Result<PathBuf> {
+    let candidates = match &args.agent {
+        Some(p) => vec![p.clone()],
+        None => agent_candidates(std::env::current_exe().ok().as_deref()),
+    };
+    let (src, bytes) = pick_agent(&candidates)?;
+    tracing::debug!(agent = %src.display(), "agent found");
     let digest = hex::encode(sha2::Sha256::digest(&bytes));
     let dir = args.data_dir.join("bin");
     std::fs::create_dir_all(&dir)?;
@@ -511,5 +556,35 @@ mod tests {
         // The test binary is linked dynamically against glibc.
         assert!(elf_has_interpreter(&exe).unwrap());
         assert!(elf_has_interpreter(b"not an elf").is_err());
+    }
+
+    #[test]
+    fn a_daemon_in_the_build_tree_finds_the_static_agent_and_skips_the_dynamic_one() {
+        let c = agent_candidates(Some(Path::new("/src/moat/target/debug/moat")));
+        assert_eq!(
+            c,
+            [
+                PathBuf::from("/src/moat/target/debug/moat-agent"),
+                PathBuf::from("/src/moat/target/x86_64-unknown-linux-gnu/debug/moat-agent"),
+                PathBuf::from("/usr/local/lib/moat/moat-agent"),
+            ]
+        );
+        let dir = tempfile::tempdir().unwrap();
+        // A dynamic one beside the daemon (as cargo leaves it), a static one further on: an ELF64
+        // header whose program headers hold no PT_INTERP.
+        let dynamic = dir.path().join("moat-agent");
+        std::fs::copy("/proc/self/exe", &dynamic).unwrap();
+        let mut header = vec![0u8; 64];
+        header[..5].copy_from_slice(b"\x7fELF\x02");
+        let static_one = dir.path().join("static-agent");
+        std::fs::write(&static_one, &header).unwrap();
+        let missing = dir.path().join("missing");
+        let (found, _) =
+            pick_agent(&[missing.clone(), dynamic.clone(), static_one.clone()]).unwrap();
+        assert_eq!(found, static_one);
+        let err = format!("{:#}", pick_agent(&[missing, dynamic]).unwrap_err());
+        assert!(err.contains("not there"), "{err}");
+        assert!(err.contains("dynamically linked"), "{err}");
+        assert!(err.contains("scripts/build-agent.sh"), "{err}");
     }
 }

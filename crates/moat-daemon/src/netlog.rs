@@ -29,15 +29,25 @@ const PROPOSAL_ENTRIES: u32 = 100_000;
 
 pub struct NetLog {
     db: Arc<Db>,
+    /// Most entries kept (0: no cap); the oldest go as new ones are written.
+    max_entries: u64,
     live: broadcast::Sender<NetworkLogEntry>,
 }
 
 impl NetLog {
     /// Creates the log; returns it and the sender the proxy and resolver log through.
-    pub fn start(db: Arc<Db>, audit: Arc<Audit>) -> (Arc<NetLog>, mpsc::Sender<Event>) {
+    pub fn start(
+        db: Arc<Db>,
+        audit: Arc<Audit>,
+        max_entries: u64,
+    ) -> (Arc<NetLog>, mpsc::Sender<Event>) {
         let (tx, rx) = mpsc::channel(QUEUE);
         let (live, _) = broadcast::channel(1024);
-        let log = Arc::new(NetLog { db, live });
+        let log = Arc::new(NetLog {
+            db,
+            max_entries,
+            live,
+        });
         tokio::spawn(log.clone().writer(rx, audit));
         (log, tx)
     }
@@ -46,8 +56,8 @@ impl NetLog {
         let mut batch = Vec::with_capacity(BATCH);
         while rx.recv_many(&mut batch, BATCH).await > 0 {
             let events = std::mem::take(&mut batch);
-            let db = self.db.clone();
-            let stored = tokio::task::spawn_blocking(move || insert(&db, &events)).await;
+            let (db, max) = (self.db.clone(), self.max_entries);
+            let stored = tokio::task::spawn_blocking(move || insert(&db, &events, max)).await;
             let stored = match stored {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
@@ -192,7 +202,7 @@ fn row(r: &rusqlite::Row) -> rusqlite::Result<NetworkLogEntry> {
 }
 
 /// Inserts events in one transaction; returns them as stored (with their ids).
-fn insert(db: &Db, events: &[Event]) -> Result<Vec<NetworkLogEntry>> {
+fn insert(db: &Db, events: &[Event], max_entries: u64) -> Result<Vec<NetworkLogEntry>> {
     Ok(db.with_conn(|c| {
         let tx = c.transaction()?;
         let mut out = Vec::with_capacity(events.len());
@@ -243,6 +253,7 @@ fn insert(db: &Db, events: &[Event]) -> Result<Vec<NetworkLogEntry>> {
                 });
             }
         }
+        crate::audit::cap(&tx, "netlog", max_entries)?;
         tx.commit()?;
         Ok(out)
     })?)
@@ -383,6 +394,7 @@ mod tests {
                     ..ev
                 },
             ],
+            0,
         )
         .unwrap();
         assert_eq!(stored.len(), 2);

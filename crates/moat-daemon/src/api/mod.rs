@@ -10,6 +10,7 @@ mod network;
 pub(crate) mod ports;
 mod proxy;
 mod sandboxes;
+pub mod serve;
 mod snapshots;
 mod templates;
 mod ws;
@@ -231,6 +232,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// A process's stdin stream (`POST .../processes/{process}/stdin`), which may stay quiet as long as
+/// the process runs: exempt from the listener's body idle timeout.
+pub fn stdin_stream(parts: &http::request::Parts) -> bool {
+    parts.uri.path().ends_with("/stdin") && parts.method == http::Method::POST
+}
+
 /// An `application/x-ndjson` response with one JSON line per item a task sends on `rx`.
 pub(crate) fn ndjson_response<T: serde::Serialize + Send + 'static>(
     rx: tokio::sync::mpsc::Receiver<T>,
@@ -307,16 +314,20 @@ async fn auth(State(st): St, req: Request, next: Next) -> Response {
             detail.insert("field".into(), f.clone().into());
         }
     }
-    st.audit
-        .record(crate::audit::NewEntry {
-            at_ms,
-            actor,
-            action: format!("{method} {template}"),
-            sandbox_id,
-            status: Some(i64::from(status.as_u16())),
-            detail: serde_json::Value::Object(detail),
-        })
-        .await;
+    let entry = crate::audit::NewEntry {
+        at_ms,
+        actor,
+        action: format!("{method} {template}"),
+        sandbox_id,
+        status: Some(i64::from(status.as_u16())),
+        detail: serde_json::Value::Object(detail),
+    };
+    if status == http::StatusCode::UNAUTHORIZED {
+        // Rate-limited and summarised: a client without a key cannot fill the log.
+        st.audit.refused(entry).await;
+    } else {
+        st.audit.record(entry).await;
+    }
     resp
 }
 

@@ -261,19 +261,27 @@ async fn dispatch(State(e): State<Arc<E2b>>, req: Request) -> Response {
 pub async fn serve(
     e2b: Arc<E2b>,
     addr: std::net::SocketAddr,
+    limits: crate::api::serve::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("E2B API: listen on {addr}: {e}"))?;
-    let listener = axum::serve::ListenerExt::tap_io(listener, |s: &mut tokio::net::TcpStream| {
-        let _ = s.set_nodelay(true);
-    });
     tracing::info!(addr = %addr, "E2B-compatible API listening (E2B_API_URL=E2B_SANDBOX_URL=http://{addr})");
-    axum::serve(listener, router(e2b))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    crate::api::serve::serve(
+        crate::api::serve::Listener::Tcp(listener),
+        router(e2b),
+        limits,
+        stdin_stream,
+        shutdown,
+    )
+    .await;
     Ok(())
+}
+
+/// envd's client stream of a process's input, which may stay quiet as long as the process runs.
+fn stdin_stream(parts: &http::request::Parts) -> bool {
+    parts.uri.path() == "/process.Process/StreamInput"
 }
 
 #[cfg(test)]

@@ -16,16 +16,51 @@ pub fn parse_start_ticks(stat: &str) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Whether a process still runs, as far as the host can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    Alive,
+    /// It is gone: no such pid, a zombie, or another process under its pid.
+    Gone,
+    /// The host could not tell (out of file descriptors, say): not a reason to remove anything.
+    Unknown,
+}
+
+impl Liveness {
+    pub fn is_alive(self) -> bool {
+        self == Liveness::Alive
+    }
+}
+
 /// True when `pid` exists, is not a zombie, and started at `ticks`.
 pub fn is_same_process(pid: u32, ticks: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
+    liveness(pid, ticks) == Liveness::Alive
+}
+
+/// Whether `pid`, started at `ticks`, still runs. Only the kernel's "no such process" is taken for
+/// gone: an error of the daemon's own (EMFILE, ENOMEM, EINTR) is [`Liveness::Unknown`].
+pub fn liveness(pid: u32, ticks: u64) -> Liveness {
+    liveness_of(std::fs::read_to_string(format!("/proc/{pid}/stat")), ticks)
+}
+
+/// [`liveness`] from the read of a /proc/PID/stat.
+fn liveness_of(read: std::io::Result<String>, ticks: u64) -> Liveness {
+    let stat = match read {
+        Ok(s) => s,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) => {
+            return Liveness::Gone
+        }
+        Err(_) => return Liveness::Unknown,
     };
     let state = stat
         .rfind(')')
         .and_then(|i| stat[i + 1..].split_whitespace().next())
         .unwrap_or("");
-    state != "Z" && parse_start_ticks(&stat) == Some(ticks)
+    if state != "Z" && parse_start_ticks(&stat) == Some(ticks) {
+        Liveness::Alive
+    } else {
+        Liveness::Gone
+    }
 }
 
 /// Effective uid of `pid` on the host (from /proc/PID/status).
@@ -56,6 +91,22 @@ pub fn reap(pid: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_no_such_process_is_gone() {
+        let line = "7 (a b) S 1 7 7 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 4242 0 0";
+        assert_eq!(liveness_of(Ok(line.into()), 4242), Liveness::Alive);
+        assert_eq!(liveness_of(Ok(line.into()), 4243), Liveness::Gone);
+        let zombie = line.replace(") S ", ") Z ");
+        assert_eq!(liveness_of(Ok(zombie), 4242), Liveness::Gone);
+        let err = |n| Err(std::io::Error::from_raw_os_error(n));
+        assert_eq!(liveness_of(err(libc::ENOENT), 1), Liveness::Gone);
+        assert_eq!(liveness_of(err(libc::ESRCH), 1), Liveness::Gone);
+        // The daemon's own trouble says nothing about the sandbox.
+        assert_eq!(liveness_of(err(libc::EMFILE), 1), Liveness::Unknown);
+        assert_eq!(liveness_of(err(libc::ENFILE), 1), Liveness::Unknown);
+        assert_eq!(liveness_of(err(libc::ENOMEM), 1), Liveness::Unknown);
+    }
 
     #[test]
     fn start_ticks_of_stat_line() {

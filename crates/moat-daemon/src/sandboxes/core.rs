@@ -82,6 +82,39 @@ pub struct Core {
     op_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Held while layers are committed and recorded, and while unused ones are removed.
     pub(super) layer_lock: std::sync::Mutex<()>,
+    /// Sandboxes whose instance is being started now (a create, a reset, a resume over files): a
+    /// row `starting` that is not here has no owner and is removed.
+    starting: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+/// How long a start in flight may keep a sandbox `starting` before a delete stops waiting for it.
+pub(super) const START_DEADLINE: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// A sandbox's instance being started; dropping it ends that (whatever happened).
+pub(super) struct Starting<'a> {
+    core: &'a Core,
+    id: String,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.core
+            .starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.id);
+    }
+}
+
+/// Runs `op` in a task of its own and waits for it. A client that goes away drops the waiting,
+/// not the operation: a create, a reset, a pause or a delete finishes (or cleans up after itself)
+/// whatever the caller does, so no sandbox is left half-made in `starting`.
+pub(super) async fn detached<T: Send + 'static>(
+    op: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
+) -> Result<T, Error> {
+    tokio::spawn(op)
+        .await
+        .map_err(|e| Error::internal(format!("a lifecycle task failed: {e}")))?
 }
 
 /// A sandbox row as the API shows it (without what the tier knows).
@@ -184,6 +217,7 @@ impl Core {
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
             op_locks: std::sync::Mutex::new(HashMap::new()),
             layer_lock: std::sync::Mutex::new(()),
+            starting: std::sync::Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -312,6 +346,26 @@ impl Core {
             .await
             .insert(id.to_string(), agent.clone());
         Ok(agent)
+    }
+
+    /// Marks sandbox `id`'s instance as being started until the guard is dropped.
+    pub(super) fn start_of(&self, id: &str) -> Starting<'_> {
+        self.starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id.to_string());
+        Starting {
+            core: self,
+            id: id.to_string(),
+        }
+    }
+
+    /// Whether sandbox `id`'s instance is being started now.
+    pub(super) fn is_starting(&self, id: &str) -> bool {
+        self.starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(id)
     }
 
     /// Forgets what is kept in memory of a sandbox that is gone.

@@ -84,6 +84,7 @@ impl Core {
         tier: Arc<dyn IsolationTier>,
         template_rootfs: std::path::PathBuf,
     ) -> Result<SandboxRecord, Error> {
+        let _starting = self.start_of(&rec.id);
         self.db.insert_sandbox(&mut rec, MAX_SLOTS)?;
         let id = rec.id.clone();
         match self.boot(&rec, &tier, template_rootfs, false).await {

@@ -11,7 +11,7 @@ use moat_api::{
     SandboxStats,
 };
 
-use super::core::{files_only, Core, Stack};
+use super::core::{detached, files_only, Core, Stack, START_DEADLINE};
 use super::pool::Pool;
 use super::validate::limits_over;
 use crate::clock::now_ms;
@@ -57,7 +57,15 @@ impl Lifecycle {
         self.host.disk_mb
     }
 
-    pub async fn create(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
+    /// Creates a sandbox (from the warm pool when one fits). It runs to its end whatever the caller
+    /// does: a create whose client went away leaves a running sandbox (with its timeout) or
+    /// nothing, never one stuck `starting`.
+    pub async fn create(self: &Arc<Self>, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
+        let this = self.clone();
+        detached(async move { this.create_now(req).await }).await
+    }
+
+    async fn create_now(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
         self.validate(&req)?;
         let snapshot = match &req.snapshot {
             Some(s) => Some(self.snapshot_for_create(s, &req)?),
@@ -162,10 +170,31 @@ impl Lifecycle {
         self.get(id)
     }
 
-    pub async fn delete(&self, id: &str) -> Result<(), Error> {
-        let rec = self.record(id)?;
-        if rec.state == SandboxState::Starting {
-            return Err(Error::conflict(format!("sandbox {id} is still starting")));
+    /// Deletes a sandbox in any state. One being started is deleted once its start ends (a
+    /// start finishes or cleans up by itself); one whose start has no owner any more at once.
+    pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), Error> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move { this.delete_now(&id).await }).await
+    }
+
+    async fn delete_now(&self, id: &str) -> Result<(), Error> {
+        let mut rec = self.record(id)?;
+        if rec.state == SandboxState::Starting && self.is_starting(id) {
+            let deadline = tokio::time::Instant::now() + START_DEADLINE;
+            while self.is_starting(id) {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::conflict(format!(
+                        "sandbox {id} is still starting after {} s",
+                        START_DEADLINE.as_secs()
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            rec = match self.db.get_sandbox(id)? {
+                Some(r) => r,
+                // Its start failed and took it away.
+                None => return Ok(()),
+            };
         }
         self.destroy(rec).await.map_err(Into::into)
     }
@@ -247,7 +276,12 @@ impl Lifecycle {
 
     /// Freezes every process of a running sandbox; it keeps its memory and files, uses no CPU, and
     /// does not expire while paused.
-    pub async fn pause(&self, id: &str) -> Result<PauseResult, Error> {
+    pub async fn pause(self: &Arc<Self>, id: &str) -> Result<PauseResult, Error> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move { this.pause_now(&id).await }).await
+    }
+
+    async fn pause_now(&self, id: &str) -> Result<PauseResult, Error> {
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
@@ -272,7 +306,16 @@ impl Lifecycle {
     }
 
     /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).
-    pub async fn resume(&self, id: &str, req: ResumeRequest) -> Result<PauseResult, Error> {
+    pub async fn resume(
+        self: &Arc<Self>,
+        id: &str,
+        req: ResumeRequest,
+    ) -> Result<PauseResult, Error> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move { this.resume_now(&id, req).await }).await
+    }
+
+    async fn resume_now(&self, id: &str, req: ResumeRequest) -> Result<PauseResult, Error> {
         let timeout = req.timeout.unwrap_or(self.settings.default_timeout);
         self.check_timeout(timeout)?;
         let lock = self.op_lock(id);
@@ -313,6 +356,7 @@ impl Lifecycle {
     ) -> Result<PauseResult, Error> {
         let id = rec.id.clone();
         let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
+        let _starting = self.start_of(&id);
         self.db.set_state(&id, SandboxState::Starting)?;
         match self.boot(&rec, &tier, rootfs, true).await {
             Ok((agent, _state)) => {

@@ -9,6 +9,7 @@ use moat_api::SandboxState;
 
 use super::lifecycle::Lifecycle;
 use crate::clock::now_ms;
+use crate::tier::Liveness;
 
 pub struct Reaper {
     sandboxes: Arc<Lifecycle>,
@@ -84,11 +85,25 @@ impl Reaper {
             .collect()
     }
 
+    /// Removes sandboxes whose PID 1 died, and rows `starting` whose start has no owner any more.
     pub(super) async fn remove_dead(&self) {
         let Ok(all) = self.sandboxes.db.list_sandboxes() else {
             return;
         };
         for rec in all {
+            if rec.state == SandboxState::Starting {
+                // Re-read after the check: a start may have ended (and so left `starting`) since
+                // the list was taken.
+                if !self.sandboxes.is_starting(&rec.id)
+                    && matches!(self.sandboxes.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == SandboxState::Starting)
+                {
+                    tracing::warn!(sandbox = %rec.id, "starting with no start in flight; removing it");
+                    if let Err(e) = self.sandboxes.destroy(rec).await {
+                        tracing::error!("{e:#}");
+                    }
+                }
+                continue;
+            }
             // A snapshot, reset, pause or resume in progress may replace the sandbox's processes (a
             // full-state snapshot restores them): it is looked at next time.
             let lock = self.sandboxes.op_lock(&rec.id);
@@ -105,9 +120,18 @@ impl Reaper {
             ) else {
                 continue;
             };
+            match tier.is_alive(&rec.id, state).await {
+                Liveness::Alive => continue,
+                Liveness::Unknown => {
+                    // The daemon's own trouble (out of file descriptors): never a reason to
+                    // remove a sandbox; it is looked at again next time.
+                    tracing::debug!(sandbox = %rec.id, "liveness unknown; not removing it");
+                    continue;
+                }
+                Liveness::Gone => {}
+            }
             // Re-read: a delete may have started since the list was taken.
-            if tier.is_alive(&rec.id, state).await
-                || !matches!(self.sandboxes.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == rec.state)
+            if !matches!(self.sandboxes.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == rec.state)
             {
                 continue;
             }

@@ -4,10 +4,11 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use moat_api::SandboxState;
+
+use crate::tier::Liveness;
 
 use super::core::agent_client;
 use super::{Services, BUILD_LABEL};
@@ -33,9 +34,12 @@ impl Services {
                 }
                 continue;
             }
+            // A sandbox whose process runs (or whose liveness the host cannot tell now) is
+            // re-adopted without waiting for its agent: one that is slow under load is not
+            // removed, and the API does not wait for it (its agent is reached on first use).
             let alive = match (&rec.state, &rec.tier_state) {
                 (SandboxState::Running | SandboxState::Paused, Some(s)) => {
-                    tier.is_alive(&rec.id, s).await
+                    tier.is_alive(&rec.id, s).await != Liveness::Gone
                 }
                 _ => false,
             };
@@ -57,17 +61,10 @@ impl Services {
                         tracing::warn!(sandbox = %rec.id, "thaw at start-up: {e:#}");
                     }
                 }
-                if rec.state == SandboxState::Paused
-                    || agent
-                        .wait_ready(core.settings.agent_timeout.min(Duration::from_secs(5)))
-                        .await
-                        .is_ok()
-                {
-                    core.agents.write().await.insert(rec.id.clone(), agent);
-                    live.insert(rec.id.clone());
-                    tracing::info!(sandbox = %rec.id, "re-adopted");
-                    continue;
-                }
+                core.agents.write().await.insert(rec.id.clone(), agent);
+                live.insert(rec.id.clone());
+                tracing::info!(sandbox = %rec.id, "re-adopted");
+                continue;
             }
             if rec.state == SandboxState::Paused {
                 // Its processes ended with the host (a reboot): keep its files for a resume.

@@ -16,7 +16,7 @@ use moat_api::{
     Snapshot, SnapshotKind,
 };
 
-use super::core::{files_only, Core};
+use super::core::{detached, files_only, Core};
 use super::lifecycle::Lifecycle;
 use super::validate::validate_metadata;
 use crate::clock::{now_ms, rfc3339};
@@ -135,7 +135,16 @@ impl Snapshots {
     }
 
     /// Takes a snapshot of a running or paused sandbox.
-    pub async fn snapshot(&self, id: &str, req: CreateSnapshotRequest) -> Result<Snapshot, Error> {
+    pub async fn snapshot(
+        self: &Arc<Self>,
+        id: &str,
+        req: CreateSnapshotRequest,
+    ) -> Result<Snapshot, Error> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move { this.snapshot_now(&id, req).await }).await
+    }
+
+    async fn snapshot_now(&self, id: &str, req: CreateSnapshotRequest) -> Result<Snapshot, Error> {
         if let Some(n) = &req.name {
             moat_api::validate_snapshot_name(n).map_err(|m| Error::invalid("name", m))?;
             if self.db.get_snapshot(n)?.is_some() {
@@ -324,7 +333,16 @@ impl Snapshots {
 
     /// Starts `req.count` sandboxes from one snapshot; all or none (on a failure the ones already
     /// started are removed).
-    pub async fn fork(&self, id_or_name: &str, req: ForkRequest) -> Result<Vec<Sandbox>, Error> {
+    pub async fn fork(
+        self: &Arc<Self>,
+        id_or_name: &str,
+        req: ForkRequest,
+    ) -> Result<Vec<Sandbox>, Error> {
+        let (this, id) = (self.clone(), id_or_name.to_string());
+        detached(async move { this.fork_now(&id, req).await }).await
+    }
+
+    async fn fork_now(&self, id_or_name: &str, req: ForkRequest) -> Result<Vec<Sandbox>, Error> {
         if !(1..=MAX_FORKS).contains(&req.count) {
             return Err(Error::invalid(
                 "count",
@@ -377,7 +395,12 @@ impl Snapshots {
     /// Puts a sandbox back into a snapshot's state (or the state it was created in): every process is
     /// killed and its writable layer replaced by an empty one over the snapshot's layers. The id, uid
     /// range, hostname, limits, environment, metadata and timeout stay.
-    pub async fn reset(&self, id: &str, req: ResetRequest) -> Result<Sandbox, Error> {
+    pub async fn reset(self: &Arc<Self>, id: &str, req: ResetRequest) -> Result<Sandbox, Error> {
+        let (this, id) = (self.clone(), id.to_string());
+        detached(async move { this.reset_now(&id, req).await }).await
+    }
+
+    async fn reset_now(&self, id: &str, req: ResetRequest) -> Result<Sandbox, Error> {
         let lock = self.op_lock(id);
         let _op = lock.lock().await;
         let rec = self.record(id)?;
@@ -418,6 +441,7 @@ impl Snapshots {
         };
         let tier = self.tier(rec.isolation)?;
         let rootfs = self.root_path(&rec.template, rec.root.as_deref()).await?;
+        let _starting = self.start_of(id);
         self.db.set_state(id, SandboxState::Starting)?;
         self.agents.write().await.remove(id);
         let restarted = async {

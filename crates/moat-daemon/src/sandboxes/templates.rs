@@ -7,7 +7,7 @@ use std::sync::Arc;
 use moat_api::{BuildEvent, PullTemplateRequest, Template};
 use tokio::sync::mpsc;
 
-use super::core::Core;
+use super::core::{detached, Core};
 use super::pool::Pool;
 use crate::error::Error;
 use crate::template::store::to_api;
@@ -38,16 +38,25 @@ impl Templates {
 
     /// Registers a root filesystem directory or tarball, an OCI image layout or a `docker save`
     /// archive on this host as template `name`.
-    pub async fn register(&self, name: &str, path: &str) -> Result<Template, Error> {
-        self.core
-            .templates
-            .register(&self.core.db, name, path)
-            .await
+    pub async fn register(self: &Arc<Self>, name: &str, path: &str) -> Result<Template, Error> {
+        let (this, name, path) = (self.clone(), name.to_string(), path.to_string());
+        detached(async move {
+            this.core
+                .templates
+                .register(&this.core.db, &name, &path)
+                .await
+        })
+        .await
     }
 
     /// Makes template `name` from an image in an OCI registry.
-    pub async fn pull(&self, name: &str, req: &PullTemplateRequest) -> Result<Template, Error> {
-        self.core.templates.pull(&self.core.db, name, req).await
+    pub async fn pull(
+        self: &Arc<Self>,
+        name: &str,
+        req: &PullTemplateRequest,
+    ) -> Result<Template, Error> {
+        let (this, name, req) = (self.clone(), name.to_string(), req.clone());
+        detached(async move { this.core.templates.pull(&this.core.db, &name, &req).await }).await
     }
 
     /// Builds `name` (`base`, `code-interpreter`) from Debian packages, with progress on `events`.
@@ -61,7 +70,12 @@ impl Templates {
 
     /// Removes a template no sandbox uses: its pooled sandboxes go first, and a spec-built
     /// template's layers unless the build cache or others hold them.
-    pub async fn delete(&self, name: &str) -> Result<(), Error> {
+    pub async fn delete(self: &Arc<Self>, name: &str) -> Result<(), Error> {
+        let (this, name) = (self.clone(), name.to_string());
+        detached(async move { this.delete_now(&name).await }).await
+    }
+
+    async fn delete_now(&self, name: &str) -> Result<(), Error> {
         self.pool.drain(name).await?;
         let removed = self.core.templates.remove(&self.core.db, name);
         self.pool.resume();

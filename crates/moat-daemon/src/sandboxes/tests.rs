@@ -523,15 +523,9 @@ async fn a_restarted_daemon_readopts_live_sandboxes_and_removes_the_rest() {
 }
 
 #[tokio::test]
-async fn a_half_created_sandbox_cannot_be_deleted_and_a_dead_one_is_removed() {
+async fn a_sandbox_whose_pid_1_died_is_removed() {
     let w = world();
     let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
-    w.db.set_state(&sbx.id, SandboxState::Starting).unwrap();
-    assert!(matches!(
-        w.s.sandboxes.delete(&sbx.id).await,
-        Err(Error::Conflict(m)) if m.contains("still starting")
-    ));
-    w.db.set_state(&sbx.id, SandboxState::Running).unwrap();
     // Its PID 1 dies behind the daemon's back: the reaper removes it, row and all.
     w.tier.kill(&sbx.id);
     w.s.reaper.remove_dead().await;
@@ -568,4 +562,106 @@ async fn a_tier_that_fails_to_destroy_leaves_the_row_for_the_next_try() {
         w.db.get_sandbox(&sbx.id).unwrap().unwrap().state,
         SandboxState::Stopping
     );
+}
+
+#[tokio::test]
+async fn a_create_whose_caller_goes_away_still_ends_running() {
+    let w = world();
+    w.tier.set_faults(TierFaults {
+        create_delay: Duration::from_millis(200),
+        ..Default::default()
+    });
+    let sandboxes = w.s.sandboxes.clone();
+    let caller = tokio::spawn(async move { sandboxes.create(Default::default()).await });
+    eventually("the create is under way", || !rows(&w.db).is_empty()).await;
+    // The client disconnects: its request future is dropped.
+    caller.abort();
+    eventually("the sandbox runs", || {
+        w.db.list_sandboxes()
+            .unwrap()
+            .iter()
+            .any(|r| r.state == SandboxState::Running)
+    })
+    .await;
+    assert_eq!(w.tier.live().len(), 1);
+    assert_eq!(w.s.sandboxes.list(&ListFilter::default()).unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_sandbox_being_started_can_be_deleted() {
+    let w = world();
+    w.tier.set_faults(TierFaults {
+        create_delay: Duration::from_millis(300),
+        ..Default::default()
+    });
+    let sandboxes = w.s.sandboxes.clone();
+    let create = tokio::spawn(async move { sandboxes.create(Default::default()).await });
+    eventually("a row starting", || !rows(&w.db).is_empty()).await;
+    let id = rows(&w.db).remove(0);
+    assert_eq!(
+        w.db.get_sandbox(&id).unwrap().unwrap().state,
+        SandboxState::Starting
+    );
+    // The delete waits for the start to end, then removes it.
+    w.s.sandboxes.delete(&id).await.unwrap();
+    assert!(rows(&w.db).is_empty());
+    assert!(w.tier.live().is_empty());
+    // The creator got its sandbox, which is gone now.
+    assert_eq!(create.await.unwrap().unwrap().id, id);
+}
+
+#[tokio::test]
+async fn a_starting_row_without_a_start_in_flight_is_removed() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    // What a start that vanished (a panic in its task) leaves.
+    w.db.set_state(&sbx.id, SandboxState::Starting).unwrap();
+    w.s.reaper.remove_dead().await;
+    assert!(w.db.get_sandbox(&sbx.id).unwrap().is_none());
+    assert!(w.tier.live().is_empty());
+}
+
+#[tokio::test]
+async fn a_sandbox_whose_liveness_the_host_cannot_tell_is_never_removed() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    // The daemon out of file descriptors cannot read /proc: that says nothing of the sandbox.
+    w.tier.set_faults(TierFaults {
+        liveness_unknown: true,
+        ..Default::default()
+    });
+    w.s.reaper.remove_dead().await;
+    assert!(w.db.get_sandbox(&sbx.id).unwrap().is_some());
+    // Nor at a restart: it is re-adopted, without waiting for its agent.
+    let again = services(w.dir.path(), &w.db, &w.tier, 0);
+    again.recover().await.unwrap();
+    assert_eq!(
+        again.sandboxes.get(&sbx.id).unwrap().state,
+        SandboxState::Running
+    );
+    assert_eq!(w.tier.live(), std::slice::from_ref(&sbx.id));
+}
+
+#[tokio::test]
+async fn a_restart_does_not_wait_for_slow_agents() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    // Its agent stops answering (a host under load): the sandbox runs on.
+    w.tier
+        .instance(&sbx.id)
+        .unwrap()
+        .agent
+        .set_faults(crate::agent::fake::Faults {
+            not_ready: true,
+            ..Default::default()
+        });
+    let again = services(w.dir.path(), &w.db, &w.tier, 0);
+    let started = std::time::Instant::now();
+    again.recover().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(again.sandboxes.get(&sbx.id).is_ok(), "re-adopted");
 }

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use moat_api::{Isolation, SandboxLimits, TierInfo};
 use serde::{Deserialize, Serialize};
 
-use super::{AgentStream, SandboxSpec, Tier, TierCapabilities, TierError, TierUsage};
+use super::{AgentStream, Liveness, SandboxSpec, Tier, TierCapabilities, TierError, TierUsage};
 use crate::agent::fake::FakeAgent;
 
 /// What the fake tier keeps of a sandbox: which instance it is.
@@ -36,6 +36,8 @@ pub struct Instance {
 pub struct TierFaults {
     /// `create` fails (after making a half instance, which it removes as a real tier does).
     pub create: bool,
+    /// `create` takes this long (a slow boot).
+    pub create_delay: Duration,
     /// The instance's agent never answers `/health`.
     pub agent_not_ready: bool,
     /// The instance's agent refuses its configuration.
@@ -44,6 +46,8 @@ pub struct TierFaults {
     pub failing_tag: Option<String>,
     /// `destroy` fails.
     pub destroy: bool,
+    /// `is_alive` cannot tell (as a daemon out of file descriptors cannot).
+    pub liveness_unknown: bool,
 }
 
 #[derive(Default)]
@@ -162,6 +166,8 @@ impl Tier for FakeTier {
 
     async fn create(&self, spec: &SandboxSpec) -> Result<FakeState> {
         self.record("create", &spec.id);
+        let delay = self.state().faults.create_delay;
+        tokio::time::sleep(delay).await;
         let mut st = self.state();
         if st.faults.create {
             bail!("the fake tier was told to fail creates");
@@ -195,8 +201,15 @@ impl Tier for FakeTier {
         Ok(self.agent_of(id, state)?.connect())
     }
 
-    async fn is_alive(&self, id: &str, state: &FakeState) -> bool {
-        self.agent_of(id, state).is_ok()
+    async fn is_alive(&self, id: &str, state: &FakeState) -> Liveness {
+        let st = self.state();
+        if st.faults.liveness_unknown {
+            return Liveness::Unknown;
+        }
+        match st.live.get(id) {
+            Some(i) if i.number == state.instance => Liveness::Alive,
+            _ => Liveness::Gone,
+        }
     }
 
     async fn set_limits(&self, id: &str, _state: &FakeState, limits: &SandboxLimits) -> Result<()> {

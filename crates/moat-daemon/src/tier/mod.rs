@@ -108,6 +108,7 @@ impl TierUsage {
 }
 
 pub use crate::agent::AgentStream;
+pub use crate::host::proc::Liveness;
 
 /// How a tier differs from the others in ways the lifecycle must know, fixed for the tier's life.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -163,8 +164,9 @@ pub trait Tier: Send + Sync + 'static {
     /// Opens a new byte stream to the sandbox's agent.
     async fn connect(&self, id: &str, state: &Self::State) -> Result<AgentStream>;
 
-    /// Whether the sandbox still runs (used when re-adopting after a restart).
-    async fn is_alive(&self, id: &str, state: &Self::State) -> bool;
+    /// Whether the sandbox still runs (re-adoption after a restart, the reaper). `Unknown` when the
+    /// host cannot tell (the daemon out of file descriptors): never a reason to remove it.
+    async fn is_alive(&self, id: &str, state: &Self::State) -> Liveness;
 
     /// Changes the CPU, memory and pids limits of a running sandbox (the others are fixed at
     /// create).
@@ -252,7 +254,7 @@ pub trait IsolationTier: Send + Sync {
     async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value, TierError>;
     fn sandbox_note(&self, state: &serde_json::Value) -> Option<String>;
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError>;
-    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool;
+    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> Liveness;
     async fn set_limits(
         &self,
         id: &str,
@@ -325,10 +327,11 @@ impl<T: Tier> IsolationTier for T {
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError> {
         Ok(Tier::connect(self, id, &decode::<T>(state)?).await?)
     }
-    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> bool {
+    async fn is_alive(&self, id: &str, state: &serde_json::Value) -> Liveness {
         match decode::<T>(state) {
             Ok(s) => Tier::is_alive(self, id, &s).await,
-            Err(_) => false,
+            // A state no one can read points at no process.
+            Err(_) => Liveness::Gone,
         }
     }
     async fn set_limits(

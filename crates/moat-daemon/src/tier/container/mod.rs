@@ -381,8 +381,8 @@ impl Tier for ContainerTier {
         Ok(Box::pin(s))
     }
 
-    async fn is_alive(&self, _id: &str, state: &ContainerState) -> bool {
-        proc::is_same_process(state.agent_pid, state.agent_start_ticks)
+    async fn is_alive(&self, _id: &str, state: &ContainerState) -> proc::Liveness {
+        proc::liveness(state.agent_pid, state.agent_start_ticks)
     }
 
     async fn set_limits(

@@ -1009,8 +1009,8 @@ impl Tier for GvisorTier {
         Ok(Box::pin(s))
     }
 
-    async fn is_alive(&self, _id: &str, state: &GvisorState) -> bool {
-        proc::is_same_process(state.sandbox_pid, state.sandbox_start_ticks)
+    async fn is_alive(&self, _id: &str, state: &GvisorState) -> proc::Liveness {
+        proc::liveness(state.sandbox_pid, state.sandbox_start_ticks)
     }
 
     async fn set_limits(

@@ -1352,8 +1352,8 @@ impl Tier for MicrovmTier {
         Ok(Box::pin(tokio::net::UnixStream::from_std(std)?))
     }
 
-    async fn is_alive(&self, _id: &str, state: &MicrovmState) -> bool {
-        proc::is_same_process(state.qemu_pid, state.qemu_start_ticks)
+    async fn is_alive(&self, _id: &str, state: &MicrovmState) -> proc::Liveness {
+        proc::liveness(state.qemu_pid, state.qemu_start_ticks)
     }
 
     async fn set_limits(
