@@ -530,8 +530,10 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
     sh(
         &c,
         id,
-        // busybox tftp: a UDP datagram to port 69 (busybox nc has no UDP mode).
-        "busybox timeout 2 busybox tftp -g -r x -l /tmp/x 198.51.100.1; true",
+        // busybox tftp: a UDP datagram to port 69 (busybox nc has no UDP mode). Two flows 0.6 s
+        // apart: each entry has its packet's time, not the time of a batch the kernel sent.
+        "(busybox timeout 2 busybox tftp -g -r x -l /tmp/x 198.51.100.1 &); sleep 0.6; \
+         busybox timeout 2 busybox tftp -g -r y -l /tmp/y 198.51.100.1; true",
     )
     .await;
     assert_eq!(
@@ -572,6 +574,37 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
     } else {
         log_until(&c, id, |e| e.dst_ip.as_deref() == Some(METADATA)).await
     };
+    let tftp = |l: &[moat_api::NetworkLogEntry]| {
+        l.iter()
+            .filter(|e| e.protocol == "udp" && e.dst_port == Some(69))
+            .count()
+    };
+    let mut log = log;
+    for _ in 0..200 {
+        if tftp(&log) >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        log = c
+            .network_log(
+                id,
+                &moat_api::NetworkLogQuery {
+                    limit: Some(1000),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let udp: Vec<i64> = log
+        .iter()
+        .filter(|e| e.protocol == "udp" && e.dst_port == Some(69))
+        .map(|e| e.at_ms)
+        .collect();
+    assert!(
+        udp.len() >= 2 && udp.iter().max().unwrap() - udp.iter().min().unwrap() >= 400,
+        "two UDP flows 0.6 s apart logged at {udp:?}"
+    );
     let e = log
         .iter()
         .find(|e| e.protocol == "udp" && e.dst_port == Some(69))
@@ -625,7 +658,11 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         .expect("the direct-IP attempt");
     assert_eq!(e.decision, NetDecision::Deny);
     let e = find("tcp", "inside.example", None);
-    assert_eq!(e.decision, NetDecision::Allow);
+    // Refused with a rule of its own (not logged as an allow with an error).
+    assert_eq!(
+        (e.decision, e.rule.as_str()),
+        (NetDecision::Deny, "rebinding (private range)")
+    );
     assert!(
         e.error.as_deref().unwrap_or("").contains("private range"),
         "{e:?}"
@@ -643,6 +680,11 @@ async fn domain_rules_and_connection_log_in_a_test_made_network() {
         .unwrap();
     assert!(
         audit.iter().any(|a| a.detail["name"] == "evil.example"),
+        "{audit:#?}"
+    );
+    assert!(
+        audit.iter().any(|a| a.detail["name"] == "inside.example"
+            && a.detail["rule"] == "rebinding (private range)"),
         "{audit:#?}"
     );
     // Filters.

@@ -273,7 +273,11 @@ pub fn propose(entries: &[NetworkLogEntry]) -> NetworkProposal {
         })
         .collect();
     for e in entries {
-        if e.rule == "always blocked" || e.rule == "deny list" {
+        // What no policy can allow: always blocked, the deny list, and names that lead there.
+        if ["always blocked", "deny list"]
+            .iter()
+            .any(|r| e.rule == *r || e.rule == format!("rebinding ({r})"))
+        {
             continue;
         }
         let (entry, covers) = match (&e.name, &e.dst_ip) {

@@ -22,6 +22,8 @@ const NFULNL_MSG_PACKET: u16 = 0;
 const NFULNL_MSG_CONFIG: u16 = 1;
 const NFULA_CFG_CMD: u16 = 1;
 const NFULA_CFG_MODE: u16 = 2;
+const NFULA_CFG_QTHRESH: u16 = 5;
+const NFULA_TIMESTAMP: u16 = 3;
 const NFULNL_CFG_CMD_BIND: u8 = 1;
 const NFULNL_COPY_PACKET: u8 = 2;
 const NFULA_PAYLOAD: u16 = 9;
@@ -71,9 +73,13 @@ pub fn open(group: u16) -> Result<OwnedFd> {
     bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).context("bind the netlink socket")?;
     let mut mode = COPY_RANGE.to_be_bytes().to_vec();
     mode.extend_from_slice(&[NFULNL_COPY_PACKET, 0]);
+    // The kernel batches a group's packets (by default up to 100 of them or 1 s) before it sends
+    // them: each is sent at once instead, so an entry's time is its packet's, not its batch's.
+    let at_once = attr(NFULA_CFG_QTHRESH, &1u32.to_be_bytes());
     for (seq, msg) in [
         config_msg(group, &attr(NFULA_CFG_CMD, &[NFULNL_CFG_CMD_BIND]), 1),
         config_msg(group, &attr(NFULA_CFG_MODE, &mode), 2),
+        config_msg(group, &at_once, 3),
     ]
     .into_iter()
     .enumerate()
@@ -95,11 +101,13 @@ pub fn open(group: u16) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// One packet nftables logged: the rule's prefix and the packet's start.
+/// One packet nftables logged: the rule's prefix, the packet's start and, when the kernel stamped
+/// it, its time (ms since the Unix epoch).
 #[derive(Debug, PartialEq, Eq)]
 pub struct Logged {
     pub prefix: String,
     pub payload: Vec<u8>,
+    pub at_ms: Option<i64>,
 }
 
 /// The NFLOG packets in one netlink datagram.
@@ -116,6 +124,7 @@ pub fn parse(mut b: &[u8]) -> Vec<Logged> {
             let mut l = Logged {
                 prefix: String::new(),
                 payload: Vec::new(),
+                at_ms: None,
             };
             while attrs.len() >= 4 {
                 let alen = u16::from_ne_bytes([attrs[0], attrs[1]]) as usize;
@@ -130,6 +139,16 @@ pub fn parse(mut b: &[u8]) -> Vec<Logged> {
                         l.prefix = String::from_utf8_lossy(s).into_owned();
                     }
                     NFULA_PAYLOAD => l.payload = data.to_vec(),
+                    // struct nfulnl_msg_packet_timestamp { __be64 sec; __be64 usec; }
+                    NFULA_TIMESTAMP if data.len() >= 16 => {
+                        let be = |o: usize| {
+                            u64::from_be_bytes(data[o..o + 8].try_into().unwrap_or([0; 8]))
+                        };
+                        let (sec, usec) = (be(0), be(8));
+                        if sec > 0 {
+                            l.at_ms = i64::try_from(sec * 1000 + usec / 1000).ok();
+                        }
+                    }
                     _ => {}
                 }
                 attrs = &attrs[alen.next_multiple_of(4).min(attrs.len())..];
@@ -203,7 +222,10 @@ pub fn read_loop(fd: OwnedFd, egress: Arc<Egress>) {
             let Some(sp) = egress.sandbox(SocketAddr::V4(SocketAddrV4::new(src, 0))) else {
                 continue;
             };
-            let ev = Event::new(&sp, protocol, Some(dst), decision, rule);
+            let mut ev = Event::new(&sp, protocol, Some(dst), decision, rule);
+            if let Some(at) = l.at_ms {
+                ev.at_ms = at;
+            }
             if !egress.try_log(ev) {
                 dropped += 1;
                 if dropped.is_power_of_two() {
@@ -254,6 +276,18 @@ mod tests {
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].prefix, "D always blocked");
         assert_eq!(got[0].payload, ip);
+        assert_eq!(got[0].at_ms, None);
+        // The kernel's stamp of the packet, when it has one, is the entry's time.
+        let mut stamped = attr(NFULA_PREFIX, b"D always blocked\0");
+        let mut ts = 1_700_000_000u64.to_be_bytes().to_vec();
+        ts.extend(500_000u64.to_be_bytes());
+        stamped.extend(attr(NFULA_TIMESTAMP, &ts));
+        let mut m = ((20 + stamped.len()) as u32).to_ne_bytes().to_vec();
+        m.extend_from_slice(&((NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET).to_ne_bytes());
+        m.extend_from_slice(&[0; 10]);
+        m.extend_from_slice(&[2, 0, 0, 7]);
+        m.extend(stamped);
+        assert_eq!(parse(&m)[0].at_ms, Some(1_700_000_000_500));
         // Truncated or lying lengths: no panic, nothing made up.
         for cut in 0..msg.len() {
             let _ = parse(&msg[..cut]);

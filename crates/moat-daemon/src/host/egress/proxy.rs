@@ -272,7 +272,7 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
     }
     let target = match (verdict.dial_name, &name) {
         (true, Some((n, _))) => match egress.lookup(n).await {
-            Err(e) => Err(format!("{e:#}")),
+            Err(e) => Err((None, format!("{e:#}"))),
             Ok(ips) => {
                 let ok: Vec<Ipv4Addr> = ips
                     .iter()
@@ -283,10 +283,19 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
                 // sandbox's own lookup), else the name's first allowed address.
                 match ok.iter().find(|ip| *ip == orig.ip()).or(ok.first()) {
                     Some(ip) => Ok(SocketAddrV4::new(*ip, orig.port())),
-                    None => Err(format!(
-                        "{n} resolved only to addresses no sandbox may reach ({})",
-                        egress.undialable(&sp.policy, ips[0]).unwrap_or("blocked")
-                    )),
+                    None => {
+                        let why = ips
+                            .first()
+                            .and_then(|ip| egress.undialable(&sp.policy, *ip))
+                            .unwrap_or("blocked");
+                        // An allowed name that leads only where no sandbox may go (DNS
+                        // rebinding to metadata, the gateway, a host address, a private range):
+                        // a refusal, with a rule of its own.
+                        Err((
+                            Some(format!("rebinding ({why})")),
+                            format!("{n} resolved only to addresses no sandbox may reach ({why})"),
+                        ))
+                    }
                 }
             }
         },
@@ -294,7 +303,11 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
     };
     let target = match target {
         Ok(t) => t,
-        Err(e) => {
+        Err((refusal, e)) => {
+            if let Some(rule) = refusal {
+                ev.decision = NetDecision::Deny;
+                ev.rule = rule;
+            }
             reset(conn);
             egress.log(finish(ev, Some(e))).await;
             return;
