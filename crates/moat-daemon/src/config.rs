@@ -151,12 +151,12 @@ pub struct ServeArgs {
         value_name = "ADDR|off"
     )]
     pub e2b_listen: String,
-    /// Connections the API listeners (REST and E2B, each) hold open at once; kept below half the
-    /// daemon's open-file limit. More are answered 503 and closed.
+    /// Connections the API listeners (REST, its unix socket and E2B, together) hold open at once;
+    /// kept below half the daemon's open-file limit. More are answered 503 and closed.
     #[arg(long, env = "MOAT_MAX_CONNECTIONS", default_value_t = 4096,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
-    /// Connections one client address may hold open at once on each API listener.
+    /// Connections one client address may hold open at once on the API listeners.
     #[arg(long, env = "MOAT_MAX_CONNECTIONS_PER_CLIENT", default_value_t = 1024,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections_per_client: u64,

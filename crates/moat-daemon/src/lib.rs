@@ -133,11 +133,13 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         audit: audit.clone(),
         netlog,
     });
-    let limits = args.listen_limits().within_file_limit();
+    // One count of connections for every API listener: their caps hold together.
+    let gate = api::serve::Gate::new(args.listen_limits().within_file_limit());
     if let Some(addr) = args.e2b_addr()? {
         let e2b = e2b::E2b::new(state.clone());
+        let gate = gate.clone();
         tokio::spawn(async move {
-            if let Err(err) = e2b::serve(e2b, addr, limits, shutdown_signal()).await {
+            if let Err(err) = e2b::serve(e2b, addr, gate, shutdown_signal()).await {
                 tracing::error!("{err:#}");
             }
         });
@@ -146,7 +148,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     let tcp = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
-    tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), max_connections = limits.max_connections, "moat daemon listening");
+    tracing::info!(addr = %args.listen, data_dir = %args.data_dir.display(), max_connections = gate.limits().max_connections, "moat daemon listening");
     if let Some(path) = &args.unix_socket {
         let _ = std::fs::remove_file(path);
         let uds = tokio::net::UnixListener::bind(path)
@@ -156,7 +158,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         tokio::spawn(api::serve::serve(
             api::serve::Listener::Unix(uds),
             app,
-            limits,
+            gate.clone(),
             api::stdin_stream,
             shutdown_signal(),
         ));
@@ -165,7 +167,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     api::serve::serve(
         api::serve::Listener::Tcp(tcp),
         app,
-        limits,
+        gate,
         api::stdin_stream,
         shutdown_signal(),
     )

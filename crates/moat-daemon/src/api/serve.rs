@@ -142,6 +142,10 @@ impl Gate {
         })
     }
 
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
     /// Connections open now.
     pub fn open(&self) -> usize {
         self.total.load(Ordering::Relaxed)
@@ -195,17 +199,17 @@ impl Listener {
     }
 }
 
-/// Serves `router` on `listener` within `limits` until `shutdown`, then lets the requests in flight
-/// finish (at most 10 s). `exempt` says which requests' bodies may stay idle as long as they
-/// like (stdin streams).
+/// Serves `router` on `listener` within the limits of `gate` (which every API listener shares, so
+/// their caps hold together) until `shutdown`, then lets the requests in flight finish (at most
+/// 10 s). `exempt` says which requests' bodies may stay idle as long as they like (stdin streams).
 pub async fn serve(
     listener: Listener,
     router: Router,
-    limits: Limits,
+    gate: Arc<Gate>,
     exempt: fn(&http::request::Parts) -> bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    let gate = Gate::new(limits);
+    let limits = gate.limits;
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder

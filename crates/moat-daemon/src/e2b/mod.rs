@@ -261,7 +261,7 @@ async fn dispatch(State(e): State<Arc<E2b>>, req: Request) -> Response {
 pub async fn serve(
     e2b: Arc<E2b>,
     addr: std::net::SocketAddr,
-    limits: crate::api::serve::Limits,
+    gate: Arc<crate::api::serve::Gate>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -271,7 +271,7 @@ pub async fn serve(
     crate::api::serve::serve(
         crate::api::serve::Listener::Tcp(listener),
         router(e2b),
-        limits,
+        gate,
         stdin_stream,
         shutdown,
     )
