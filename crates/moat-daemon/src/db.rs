@@ -588,6 +588,31 @@ impl Db {
         })
     }
 
+    /// Every sandbox's id and state, without reading the rest of its row.
+    pub fn states(&self) -> Result<Vec<(String, SandboxState)>> {
+        self.with(|c| {
+            let mut st = c.prepare_cached("SELECT id, state FROM sandboxes")?;
+            let rows = st.query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, parse_enum(&r.get::<_, String>(1)?)?))
+            })?;
+            rows.collect()
+        })
+    }
+
+    /// Ids of running sandboxes whose idle timeout passed (none read whole: the reaper asks twice
+    /// a second, whatever the number of sandboxes).
+    pub fn idle(&self, now_ms: i64) -> Result<Vec<String>> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT id FROM sandboxes WHERE state = 'running' AND pooled = 0 \
+                 AND json_extract(limits, '$.idle_timeout') > 0 \
+                 AND last_active_ms + 1000 * json_extract(limits, '$.idle_timeout') <= ?1",
+            )?;
+            let rows = st.query_map([now_ms], |r| r.get(0))?;
+            rows.collect()
+        })
+    }
+
     /// Hands a running pooled sandbox of `claim.template` to a creator; None when the pool is empty.
     pub fn claim_pooled(&self, claim: &Claim) -> Result<Option<SandboxRecord>> {
         let id: Option<String> = self.with(|c| {

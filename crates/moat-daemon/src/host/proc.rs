@@ -75,6 +75,19 @@ pub fn host_uid(pid: u32) -> Result<u32> {
         .context("no Uid line")
 }
 
+/// A pidfd of `pid` (readable once it exits; Linux ≥ 5.3).
+pub fn pidfd_open(pid: u32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1; nothing of ours
+    // is read or written.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just gave us this descriptor; nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
 /// Reaps `pid` if it is our child (the daemon is the sandboxes' subreaper); otherwise its parent does.
 pub fn reap(pid: u32) {
     let p = nix::unistd::Pid::from_raw(pid as i32);

@@ -82,6 +82,8 @@ pub struct Core {
     op_locks: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Held while layers are committed and recorded, and while unused ones are removed.
     pub(super) layer_lock: std::sync::Mutex<()>,
+    /// Watches of the process whose end is each sandbox's end.
+    pub(super) exits: super::exits::Exits,
     /// Sandboxes whose instance is being started now (a create, a reset, a resume over files): a
     /// row `starting` that is not here has no owner and is removed.
     starting: std::sync::Mutex<std::collections::HashSet<String>>,
@@ -201,8 +203,10 @@ impl Core {
         templates: Arc<TemplateStore>,
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
+        exits: super::exits::Exits,
     ) -> Core {
         Core {
+            exits,
             host: HostLimits::of_this_host(&settings.data_dir),
             settings,
             db,
@@ -368,8 +372,14 @@ impl Core {
             .contains(id)
     }
 
+    /// Has the daemon told when the process whose end is sandbox `id`'s end exits.
+    pub(super) fn watch_exit(&self, id: &str, tier: &dyn IsolationTier, state: &serde_json::Value) {
+        self.exits.watch(id, tier.watched_process(state));
+    }
+
     /// Forgets what is kept in memory of a sandbox that is gone.
     pub(super) fn forget(&self, id: &str) {
+        self.exits.forget(id);
         if let Ok(mut m) = self.cpu_samples.lock() {
             m.remove(id);
         }

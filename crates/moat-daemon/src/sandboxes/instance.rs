@@ -175,6 +175,7 @@ impl Core {
             super::start::run(&agent, start).await?;
         }
         self.db.set_tier_state(&id, SandboxState::Running, &state)?;
+        self.watch_exit(&id, tier.as_ref(), &state);
         // The idle clock starts when the sandbox can be used: a guest that took seconds to boot
         // has not been idle for them.
         self.db.touch(&id, now_ms())?;

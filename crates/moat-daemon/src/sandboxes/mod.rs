@@ -27,6 +27,7 @@ use crate::tier::IsolationTier;
 
 pub mod builds;
 pub mod core;
+mod exits;
 mod instance;
 mod lifecycle;
 mod pool;
@@ -124,11 +125,14 @@ impl Services {
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
     ) -> Services {
-        let core = Arc::new(core::Core::new(settings, db, templates, layers, tiers));
+        let (exits, exited) = exits::Exits::new();
+        let core = Arc::new(core::Core::new(
+            settings, db, templates, layers, tiers, exits,
+        ));
         let pool = Arc::new(Pool::new(core.clone()));
         let sandboxes = Arc::new(Lifecycle::new(core.clone(), pool.clone()));
         let snapshots = Arc::new(Snapshots::new(core.clone(), sandboxes.clone()));
-        let reaper = Arc::new(Reaper::new(sandboxes.clone()));
+        let reaper = Arc::new(Reaper::new(sandboxes.clone(), exited));
         let templates = Arc::new(Templates::new(core.clone(), pool.clone()));
         let builds = Arc::new(Builds::new(core, pool.clone()));
         Services {
@@ -143,7 +147,7 @@ impl Services {
 
     /// Starts the background work: the reaper and the warm pool.
     pub fn spawn_background(&self) {
-        tokio::spawn(self.reaper.clone().run(Duration::from_millis(500)));
+        tokio::spawn(self.reaper.clone().run());
         tokio::spawn(self.pool.clone().run());
     }
 }

@@ -6,44 +6,68 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use moat_api::SandboxState;
+use tokio::sync::mpsc;
 
 use super::lifecycle::Lifecycle;
 use crate::clock::now_ms;
 use crate::tier::Liveness;
 
+/// How often timeouts and idle timeouts are checked (two indexed queries, whatever the number of
+/// sandboxes).
+const EXPIRE_EVERY: Duration = Duration::from_millis(500);
+/// How often the sandboxes without an exit notification (a pidfd the host could not give: a
+/// kernel older than 5.3; a tier with no process to watch) are looked at, and rows `starting`
+/// whose start has no owner.
+const SCAN_EVERY: Duration = Duration::from_secs(30);
+
 pub struct Reaper {
     sandboxes: Arc<Lifecycle>,
+    /// Ids of sandboxes whose watched process exited (taken by `run`).
+    exited: std::sync::Mutex<Option<mpsc::UnboundedReceiver<String>>>,
 }
 
 impl Reaper {
-    pub(super) fn new(sandboxes: Arc<Lifecycle>) -> Reaper {
-        Reaper { sandboxes }
+    pub(super) fn new(
+        sandboxes: Arc<Lifecycle>,
+        exited: mpsc::UnboundedReceiver<String>,
+    ) -> Reaper {
+        Reaper {
+            sandboxes,
+            exited: std::sync::Mutex::new(Some(exited)),
+        }
     }
 
     /// Kills sandboxes whose timeout passed, and removes sandboxes whose PID 1 died (an agent that
-    /// crashed, was OOM-killed or was killed from the host); runs every `period` forever.
-    pub async fn run(self: Arc<Self>, period: Duration) {
-        let mut tick = tokio::time::interval(period);
-        let mut n: u64 = 0;
+    /// crashed, was OOM-killed or was killed from the host) as soon as it is told; forever.
+    pub async fn run(self: Arc<Self>) {
+        let exited = self
+            .exited
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(mut exited) = exited else {
+            return;
+        };
+        let mut expire = tokio::time::interval(EXPIRE_EVERY);
+        let mut scan = tokio::time::interval(SCAN_EVERY);
         loop {
-            tick.tick().await;
-            n += 1;
-            if n.is_multiple_of(4) {
-                self.remove_dead().await;
+            tokio::select! {
+                _ = expire.tick() => self.expire().await,
+                _ = scan.tick() => self.remove_dead().await,
+                Some(id) = exited.recv() => self.check(&id).await,
             }
-            self.expire().await;
         }
     }
 
     /// Deletes (or pauses, as they asked) the sandboxes whose timeout or idle timeout passed.
     pub(super) async fn expire(&self) {
         let now = now_ms();
-        let ids = match self.sandboxes.db.expired(now) {
-            Ok(mut ids) => {
-                ids.extend(self.idle(now));
+        let ids = match (self.sandboxes.db.expired(now), self.sandboxes.db.idle(now)) {
+            (Ok(mut ids), Ok(idle)) => {
+                ids.extend(idle);
                 ids
             }
-            Err(e) => {
+            (Err(e), _) | (_, Err(e)) => {
                 tracing::error!("expiry query: {e:#}");
                 return;
             }
@@ -68,88 +92,89 @@ impl Reaper {
         }
     }
 
-    /// Ids of sandboxes whose idle timeout passed.
-    pub(super) fn idle(&self, now: i64) -> Vec<String> {
-        self.sandboxes
-            .db
-            .list_sandboxes()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|r| {
-                !r.pooled
-                    && r.state == SandboxState::Running
-                    && r.limits.idle_timeout > 0
-                    && r.last_active_ms + 1000 * r.limits.idle_timeout as i64 <= now
-            })
-            .map(|r| r.id)
-            .collect()
-    }
-
     /// Removes sandboxes whose PID 1 died, and rows `starting` whose start has no owner any more.
+    /// Sandboxes whose process is watched are left to their exit notification: the scan costs
+    /// nothing per sandbox the host could give a pidfd for.
     pub(super) async fn remove_dead(&self) {
-        let Ok(all) = self.sandboxes.db.list_sandboxes() else {
+        let Ok(all) = self.sandboxes.db.states() else {
             return;
         };
-        for rec in all {
-            if rec.state == SandboxState::Starting {
-                // Re-read after the check: a start may have ended (and so left `starting`) since
-                // the list was taken.
-                if !self.sandboxes.is_starting(&rec.id)
-                    && matches!(self.sandboxes.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == SandboxState::Starting)
-                {
-                    tracing::warn!(sandbox = %rec.id, "starting with no start in flight; removing it");
-                    if let Err(e) = self.sandboxes.destroy(rec).await {
-                        tracing::error!("{e:#}");
-                    }
-                }
+        for (id, state) in all {
+            if state != SandboxState::Starting && self.sandboxes.exits.is_watched(&id) {
                 continue;
             }
-            // A snapshot, reset, pause or resume in progress may replace the sandbox's processes (a
-            // full-state snapshot restores them): it is looked at next time.
-            let lock = self.sandboxes.op_lock(&rec.id);
-            let Ok(_op) = lock.try_lock() else {
-                continue;
-            };
-            let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(&rec.id) else {
-                continue;
-            };
-            let (SandboxState::Running | SandboxState::Paused, Some(state), Some(tier)) = (
-                rec.state,
-                rec.tier_state.as_ref(),
-                self.sandboxes.tier(rec.isolation).ok(),
-            ) else {
-                continue;
-            };
-            match tier.is_alive(&rec.id, state).await {
-                Liveness::Alive => continue,
-                Liveness::Unknown => {
-                    // The daemon's own trouble (out of file descriptors): never a reason to
-                    // remove a sandbox; it is looked at again next time.
-                    tracing::debug!(sandbox = %rec.id, "liveness unknown; not removing it");
-                    continue;
-                }
-                Liveness::Gone => {}
-            }
-            // Re-read: a delete may have started since the list was taken.
-            if !matches!(self.sandboxes.db.get_sandbox(&rec.id), Ok(Some(r)) if r.state == rec.state)
+            self.check(&id).await;
+        }
+    }
+
+    /// Removes sandbox `id` if its process is gone (or its row is `starting` with no start in
+    /// flight); a sandbox that runs another process than the one watched (a restore) is watched
+    /// again.
+    pub(super) async fn check(&self, id: &str) {
+        let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(id) else {
+            return;
+        };
+        if rec.state == SandboxState::Starting {
+            // Re-read after the check: a start may have ended (and so left `starting`) since the
+            // row was read.
+            if !self.sandboxes.is_starting(id)
+                && matches!(self.sandboxes.db.get_sandbox(id), Ok(Some(r)) if r.state == SandboxState::Starting)
             {
-                continue;
+                tracing::warn!(sandbox = %id, "starting with no start in flight; removing it");
+                if let Err(e) = self.sandboxes.destroy(rec).await {
+                    tracing::error!("{e:#}");
+                }
             }
-            // Its cgroup is still there: an OOM kill counted there says why (on gvisor the host's OOM
-            // killer ends the Sentry, and the sandbox with it, when the memory limit is hit).
-            let oom_kills = tier
-                .usage(&rec.id, state)
-                .await
-                .map(|u| u.oom_kills)
-                .unwrap_or(0);
-            if oom_kills > 0 {
-                tracing::warn!(sandbox = %rec.id, oom_kills, "it ran out of memory: the host's OOM killer ended it; removing the sandbox");
-            } else {
-                tracing::warn!(sandbox = %rec.id, "its PID 1 is gone; removing the sandbox");
+            return;
+        }
+        // A snapshot, reset, pause or resume in progress may replace the sandbox's processes (a
+        // full-state snapshot restores them): the next scan looks again.
+        let lock = self.sandboxes.op_lock(id);
+        let Ok(_op) = lock.try_lock() else {
+            return;
+        };
+        let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(id) else {
+            return;
+        };
+        let (SandboxState::Running | SandboxState::Paused, Some(state), Some(tier)) = (
+            rec.state,
+            rec.tier_state.as_ref(),
+            self.sandboxes.tier(rec.isolation).ok(),
+        ) else {
+            return;
+        };
+        match tier.is_alive(id, state).await {
+            Liveness::Alive => {
+                // Alive with another process than the watched one: watch that one.
+                self.sandboxes.watch_exit(id, tier.as_ref(), state);
+                return;
             }
-            if let Err(e) = self.sandboxes.destroy(rec).await {
-                tracing::error!("{e:#}");
+            Liveness::Unknown => {
+                // The daemon's own trouble (out of file descriptors): never a reason to remove a
+                // sandbox; the next scan looks again.
+                tracing::debug!(sandbox = %id, "liveness unknown; not removing it");
+                return;
             }
+            Liveness::Gone => {}
+        }
+        // Re-read: a delete may have started meanwhile.
+        if !matches!(self.sandboxes.db.get_sandbox(id), Ok(Some(r)) if r.state == rec.state) {
+            return;
+        }
+        // Its cgroup is still there: an OOM kill counted there says why (on gvisor the host's OOM
+        // killer ends the Sentry, and the sandbox with it, when the memory limit is hit).
+        let oom_kills = tier
+            .usage(id, state)
+            .await
+            .map(|u| u.oom_kills)
+            .unwrap_or(0);
+        if oom_kills > 0 {
+            tracing::warn!(sandbox = %id, oom_kills, "it ran out of memory: the host's OOM killer ended it; removing the sandbox");
+        } else {
+            tracing::warn!(sandbox = %id, "its PID 1 is gone; removing the sandbox");
+        }
+        if let Err(e) = self.sandboxes.destroy(rec).await {
+            tracing::error!("{e:#}");
         }
     }
 }

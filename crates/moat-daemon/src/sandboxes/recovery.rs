@@ -62,6 +62,9 @@ impl Services {
                     }
                 }
                 core.agents.write().await.insert(rec.id.clone(), agent);
+                if let Some(s) = &rec.tier_state {
+                    core.watch_exit(&rec.id, tier.as_ref(), s);
+                }
                 live.insert(rec.id.clone());
                 tracing::info!(sandbox = %rec.id, "re-adopted");
                 continue;

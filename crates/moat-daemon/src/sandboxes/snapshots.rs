@@ -205,6 +205,7 @@ impl Snapshots {
             match tier.checkpoint(id, state, &scratch, &image).await {
                 Ok((d, new_state)) => {
                     self.db.set_tier_state(id, rec.state, &new_state)?;
+                    self.watch_exit(id, tier.as_ref(), &new_state);
                     if ends {
                         self.agents.write().await.remove(id);
                     }

@@ -168,6 +168,12 @@ pub trait Tier: Send + Sync + 'static {
     /// host cannot tell (the daemon out of file descriptors): never a reason to remove it.
     async fn is_alive(&self, id: &str, state: &Self::State) -> Liveness;
 
+    /// The host process (pid, start time) whose end is the sandbox's end, for the daemon to be
+    /// told when it exits; None when there is none to watch.
+    fn watched_process(&self, _state: &Self::State) -> Option<(u32, u64)> {
+        None
+    }
+
     /// Changes the CPU, memory and pids limits of a running sandbox (the others are fixed at
     /// create).
     async fn set_limits(&self, id: &str, state: &Self::State, limits: &SandboxLimits)
@@ -255,6 +261,7 @@ pub trait IsolationTier: Send + Sync {
     fn sandbox_note(&self, state: &serde_json::Value) -> Option<String>;
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError>;
     async fn is_alive(&self, id: &str, state: &serde_json::Value) -> Liveness;
+    fn watched_process(&self, state: &serde_json::Value) -> Option<(u32, u64)>;
     async fn set_limits(
         &self,
         id: &str,
@@ -326,6 +333,9 @@ impl<T: Tier> IsolationTier for T {
     }
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError> {
         Ok(Tier::connect(self, id, &decode::<T>(state)?).await?)
+    }
+    fn watched_process(&self, state: &serde_json::Value) -> Option<(u32, u64)> {
+        Tier::watched_process(self, &decode::<T>(state).ok()?)
     }
     async fn is_alive(&self, id: &str, state: &serde_json::Value) -> Liveness {
         match decode::<T>(state) {

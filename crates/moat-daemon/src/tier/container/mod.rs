@@ -381,6 +381,10 @@ impl Tier for ContainerTier {
         Ok(Box::pin(s))
     }
 
+    fn watched_process(&self, state: &ContainerState) -> Option<(u32, u64)> {
+        Some((state.agent_pid, state.agent_start_ticks))
+    }
+
     async fn is_alive(&self, _id: &str, state: &ContainerState) -> proc::Liveness {
         proc::liveness(state.agent_pid, state.agent_start_ticks)
     }

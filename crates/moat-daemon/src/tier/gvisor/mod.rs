@@ -1009,6 +1009,10 @@ impl Tier for GvisorTier {
         Ok(Box::pin(s))
     }
 
+    fn watched_process(&self, state: &GvisorState) -> Option<(u32, u64)> {
+        Some((state.sandbox_pid, state.sandbox_start_ticks))
+    }
+
     async fn is_alive(&self, _id: &str, state: &GvisorState) -> proc::Liveness {
         proc::liveness(state.sandbox_pid, state.sandbox_start_ticks)
     }

@@ -1352,6 +1352,10 @@ impl Tier for MicrovmTier {
         Ok(Box::pin(tokio::net::UnixStream::from_std(std)?))
     }
 
+    fn watched_process(&self, state: &MicrovmState) -> Option<(u32, u64)> {
+        Some((state.qemu_pid, state.qemu_start_ticks))
+    }
+
     async fn is_alive(&self, _id: &str, state: &MicrovmState) -> proc::Liveness {
         proc::liveness(state.qemu_pid, state.qemu_start_ticks)
     }
