@@ -8,6 +8,7 @@ use std::time::Duration;
 use moat_api::SandboxState;
 use tokio::sync::mpsc;
 
+use super::core::files_only;
 use super::lifecycle::Lifecycle;
 use crate::clock::now_ms;
 use crate::tier::Liveness;
@@ -136,6 +137,11 @@ impl Reaper {
         let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(id) else {
             return;
         };
+        if files_only(&rec) {
+            // Paused with its files only (its processes ended with the host): no process to look
+            // for; a resume starts it over its files.
+            return;
+        }
         let (SandboxState::Running | SandboxState::Paused, Some(state), Some(tier)) = (
             rec.state,
             rec.tier_state.as_ref(),

@@ -487,6 +487,8 @@ async fn a_restarted_daemon_readopts_live_sandboxes_and_removes_the_rest() {
     // The daemon starts again over the same store and host: nothing in memory survives.
     let again = services(w.dir.path(), &w.db, &w.tier, 0);
     again.recover().await.unwrap();
+    // Its reaper's first scan finds nothing more to remove.
+    again.reaper.remove_dead().await;
 
     // Re-adopted: usable through a new agent connection.
     let agent = again.sandboxes.agent(&alive.id).await.unwrap();
