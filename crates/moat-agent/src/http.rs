@@ -58,6 +58,15 @@ impl ApiError {
                 | Some(libc::EBUSY)
                 | Some(libc::EXDEV) => ErrorCode::Conflict,
                 Some(libc::EROFS) | Some(libc::EPERM) => ErrorCode::PermissionDenied,
+                // A path the request named that the kernel cannot take: too long, a symlink loop,
+                // or not a name at all.
+                Some(libc::ENAMETOOLONG) | Some(libc::ELOOP) | Some(libc::EINVAL) => {
+                    ErrorCode::InvalidArgument
+                }
+                // The sandbox's own disk quota (or inode count, or file size limit) is used up.
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => {
+                    ErrorCode::PayloadTooLarge
+                }
                 _ => ErrorCode::Internal,
             },
         };
@@ -260,5 +269,22 @@ mod tests {
         assert_eq!(e.and_then(|e| e.0.error.field).as_deref(), Some("bogus"));
         let e = parse_query::<moat_api::ListQuery>(Some("depth=1")).err();
         assert_eq!(e.and_then(|e| e.0.error.field).as_deref(), Some("path"));
+    }
+
+    #[test]
+    fn path_errors_are_the_requests_fault() {
+        let code = |errno| {
+            ApiError::io("/x", &io::Error::from_raw_os_error(errno))
+                .0
+                .error
+                .code
+        };
+        assert_eq!(code(libc::ENAMETOOLONG), ErrorCode::InvalidArgument);
+        assert_eq!(code(libc::ELOOP), ErrorCode::InvalidArgument);
+        assert_eq!(code(libc::ENOSPC), ErrorCode::PayloadTooLarge);
+        assert_eq!(code(libc::EDQUOT), ErrorCode::PayloadTooLarge);
+        assert_eq!(code(libc::EIO), ErrorCode::Internal);
+        let e = ApiError::io("/x", &io::Error::from_raw_os_error(libc::ENAMETOOLONG));
+        assert_eq!(e.0.error.field.as_deref(), Some("path"));
     }
 }

@@ -118,7 +118,7 @@ pub fn download(query: Option<&str>) -> HandlerResult {
     Ok(streamed("application/x-tar", rx, None))
 }
 
-fn extract(dest: &Path, r: ChannelReader) -> Result<(), ApiError> {
+fn extract(dest: &Path, r: impl Read) -> Result<(), ApiError> {
     let mut ar = tar::Archive::new(r);
     ar.set_preserve_permissions(true);
     ar.set_preserve_ownerships(true);
@@ -139,10 +139,28 @@ fn extract(dest: &Path, r: ChannelReader) -> Result<(), ApiError> {
                     format!("tar entry {name:?} would land outside {}", dest.display()),
                 ))
             }
-            Err(e) => return Err(ApiError::io(&format!("extracting {name:?}"), &e)),
+            Err(e) => return Err(unpack_error(&name, &e)),
         }
     }
     Ok(())
+}
+
+/// What an entry that could not be unpacked is answered with. The tar crate wraps the system's
+/// error in its own (its kind kept, its errno hidden): an errno found under it is judged like any
+/// filesystem error (a full disk, a read-only file), anything else is the archive's fault (a link
+/// out of the destination, a malformed header), never the server's.
+fn unpack_error(name: &str, e: &std::io::Error) -> ApiError {
+    let what = format!("extracting {name:?}");
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.raw_os_error().is_some() {
+                return ApiError::io(&what, io);
+            }
+        }
+        cause = c.source();
+    }
+    ApiError::invalid("body", format!("{what}: {e}"))
 }
 
 /// `PUT /fs/tar?path=`
@@ -188,4 +206,54 @@ pub async fn upload(query: Option<&str>, mut body: Incoming) -> HandlerResult {
         .await
         .map_err(|e| ApiError::internal(format!("tar worker failed: {e}")))??;
     no_content()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moat_api::ErrorCode;
+
+    fn archive(f: impl FnOnce(&mut tar::Builder<Vec<u8>>)) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        f(&mut b);
+        b.into_inner().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn header(kind: tar::EntryType, size: u64) -> tar::Header {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_size(size);
+        h.set_mode(0o644);
+        h
+    }
+
+    #[test]
+    fn an_entry_escaping_the_destination_is_the_archives_fault() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        // A hard link to a file outside the destination: tar refuses it with its own error.
+        let tar = archive(|b| {
+            let mut h = header(tar::EntryType::Link, 0);
+            b.append_link(&mut h, "escape", "../../../../etc/passwd")
+                .unwrap_or_else(|e| panic!("{e}"));
+        });
+        let e = extract(dir.path(), &tar[..]).err().map(|e| e.0.error);
+        let e = e.unwrap_or_else(|| panic!("an escaping link was unpacked"));
+        assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}");
+        assert_eq!(e.field.as_deref(), Some("body"));
+    }
+
+    #[test]
+    fn a_filesystem_refusal_keeps_its_errno() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let long = "a".repeat(300);
+        let tar = archive(|b| {
+            let mut h = header(tar::EntryType::Regular, 1);
+            b.append_data(&mut h, &long, &b"x"[..])
+                .unwrap_or_else(|e| panic!("{e}"));
+        });
+        let e = extract(dir.path(), &tar[..]).err().map(|e| e.0.error);
+        let e = e.unwrap_or_else(|| panic!("a 300-byte name was unpacked"));
+        assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}");
+        assert!(e.message.contains("too long"), "{e:?}");
+    }
 }

@@ -42,6 +42,7 @@ pub struct AuditList {
 /// Filters of `GET /v1/audit` and `GET /v1/sandboxes/{id}/audit`; entries come oldest first.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Only entries of this sandbox.
@@ -61,8 +62,10 @@ pub struct AuditQuery {
     pub until: Option<String>,
     /// At most this many entries (default 100, at most 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", param(minimum = 1, maximum = 10000))]
     pub limit: Option<u32>,
     /// `json` (default) or `jsonl` (one entry per line, `application/x-ndjson`: the export format).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", param(pattern = "^(json|jsonl)$"))]
     pub format: Option<String>,
 }

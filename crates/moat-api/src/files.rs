@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 /// `?path=` of the file endpoints.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct PathQuery {
     /// Absolute path inside the sandbox, or relative to `/root`.
@@ -15,6 +16,7 @@ pub struct PathQuery {
 /// Query of `PUT .../files` (body: the file's bytes, streamed; the file is replaced atomically).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct WriteQuery {
     pub path: String,
@@ -29,6 +31,7 @@ pub struct WriteQuery {
 /// Query of `GET .../fs/list`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     pub path: String,
@@ -40,6 +43,7 @@ pub struct ListQuery {
 /// Query of `DELETE .../fs`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct RemoveQuery {
     pub path: String,
@@ -51,6 +55,7 @@ pub struct RemoveQuery {
 /// Query of `GET .../fs/watch`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct WatchQuery {
     pub path: String,

@@ -351,6 +351,7 @@ pub struct NetworkLog {
 /// Filters of `GET /v1/sandboxes/{id}/network/log`; entries come oldest first.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct NetworkLogQuery {
     /// Only entries with a greater id.
@@ -361,6 +362,7 @@ pub struct NetworkLogQuery {
     pub decision: Option<NetDecision>,
     /// At most this many (default 100, at most 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", param(minimum = 1, maximum = 10000))]
     pub limit: Option<u32>,
     /// Keep the answer open and stream new entries as JSON lines as they happen.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -140,6 +140,7 @@ pub struct ProcessList {
 /// Query of `GET .../processes/{process}/events` (re-attach).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
 pub struct AttachQuery {
     /// Replay the output kept since the start (default true); false streams only new output.

@@ -11,6 +11,7 @@ use super::St;
 use crate::api::extract::QueryArgs;
 
 #[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct BuildListQuery {
     /// Only the builds of this template.
@@ -18,6 +19,7 @@ pub struct BuildListQuery {
     pub template: Option<String>,
     /// Most builds listed, newest first (default 50, at most 200).
     #[serde(default)]
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
 }
 

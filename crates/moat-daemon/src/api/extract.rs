@@ -53,8 +53,55 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             "request body is empty; expected a JSON object",
         ));
     }
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ApiError::invalid(
+            "body",
+            "the request body must be a JSON object ({...})",
+        ));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| from_serde_path(e, "JSON body"))
+    serde_path_to_error::deserialize(de).or_else(|first| {
+        // JSON has one number type: `31.0` is the integer 31 to most clients (JavaScript's
+        // JSON.stringify writes whole floats without a fraction, Python's json does not). A body
+        // refused as it is is read again with whole floats as integers; the first error stands
+        // when that does not help.
+        let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+            return Err(from_serde_path(first, "JSON body"));
+        };
+        if !integral_floats_to_integers(&mut v) {
+            return Err(from_serde_path(first, "JSON body"));
+        }
+        serde_path_to_error::deserialize(v).map_err(|_| from_serde_path(first, "JSON body"))
+    })
+}
+
+/// Turns every float without a fraction (within i64/u64) into an integer; whether any was.
+fn integral_floats_to_integers(v: &mut serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if !n.is_i64() && !n.is_u64() => {
+            let Some(f) = n.as_f64() else { return false };
+            if f.fract() != 0.0 || !f.is_finite() {
+                return false;
+            }
+            let whole = if f >= 0.0 && f < u64::MAX as f64 {
+                serde_json::Number::from(f as u64)
+            } else if f < 0.0 && f >= i64::MIN as f64 {
+                serde_json::Number::from(f as i64)
+            } else {
+                return false;
+            };
+            *n = whole;
+            true
+        }
+        Value::Array(a) => a
+            .iter_mut()
+            .fold(false, |any, x| integral_floats_to_integers(x) | any),
+        Value::Object(o) => o
+            .values_mut()
+            .fold(false, |any, x| integral_floats_to_integers(x) | any),
+        _ => false,
+    }
 }
 
 /// A query string parsed with field-precise errors.
@@ -82,4 +129,43 @@ pub fn query_values(parts_query: Option<&str>, key: &str) -> Vec<String> {
         .filter(|(k, _)| k == key)
         .map(|(_, v)| v.into_owned())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal<T: DeserializeOwned + std::fmt::Debug>(body: &str) -> moat_api::ErrorDetail {
+        match parse_json::<T>(body.as_bytes()) {
+            Ok(v) => panic!("{body} was taken as {v:?}"),
+            Err(e) => e.0.error,
+        }
+    }
+
+    #[test]
+    fn a_body_is_an_object() {
+        for body in ["[]", "3", "\"x\"", "null", " true"] {
+            let e = refusal::<moat_api::ResumeRequest>(body);
+            assert_eq!(e.code, ErrorCode::InvalidArgument, "{body}");
+            assert_eq!(e.field.as_deref(), Some("body"), "{body}");
+        }
+        let ok: moat_api::ResumeRequest = parse_json(b" \n{}").unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(ok.timeout, None);
+    }
+
+    #[test]
+    fn integral_floats_are_integers() {
+        let r: moat_api::SetTimeoutRequest =
+            parse_json(b"{\"timeout\": 31.0}").unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(r.timeout, 31);
+        let r: moat_api::CreateSandboxRequest =
+            parse_json(b"{\"memory_mb\": 5e2, \"cpu\": 1.0}").unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!((r.memory_mb, r.cpu), (Some(500), Some(1.0)));
+        // A fraction is still refused, naming the field.
+        let e = refusal::<moat_api::SetTimeoutRequest>("{\"timeout\": 31.5}");
+        assert_eq!(e.field.as_deref(), Some("timeout"));
+        // As is a whole number out of the field's range.
+        let e = refusal::<moat_api::SetTimeoutRequest>("{\"timeout\": -1.0}");
+        assert_eq!(e.field.as_deref(), Some("timeout"));
+    }
 }

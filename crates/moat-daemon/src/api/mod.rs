@@ -3,6 +3,7 @@
 mod audit;
 mod builds;
 mod code;
+mod doc;
 pub mod error;
 pub mod extract;
 pub mod mcp;
@@ -359,8 +360,9 @@ async fn health(State(st): St) -> Json<moat_api::Health> {
     })
 }
 
-async fn openapi() -> Json<utoipa::openapi::OpenApi> {
-    Json(ApiDoc::openapi())
+/// The OpenAPI document, with the errors and constraints of this daemon (see `doc`).
+async fn openapi(State(st): St) -> Json<serde_json::Value> {
+    Json(doc::document(&st.sandboxes.bounds()))
 }
 
 async fn not_found(req: Request) -> ApiError {

@@ -42,15 +42,16 @@ async fn forward<E: Endpoint>(
                 MAX_JSON_BODY.load(std::sync::atomic::Ordering::Relaxed),
             )
             .await?;
-            parse_json::<E::Body>(&bytes)?;
-            Body::from(bytes)
+            // What was read (with whole floats as integers, say) is what the agent is sent.
+            let parsed = parse_json::<E::Body>(&bytes)?;
+            Body::from(serde_json::to_vec(&parsed).map_err(ApiError::internal)?)
         }
         _ => body,
     };
     let resp = agent
         .send(&call, ct.as_deref(), body)
         .await
-        .map_err(|e| ApiError::internal(format!("sandbox {id}: {e}")))?;
+        .map_err(|e| ApiError::from(st.sandboxes.agent_failed(id, e)))?;
     let (parts, incoming) = resp.into_parts();
     let mut out = Response::builder().status(parts.status);
     for h in [http::header::CONTENT_TYPE, http::header::CONTENT_LENGTH] {

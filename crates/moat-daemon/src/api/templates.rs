@@ -56,6 +56,7 @@ pub async fn pull(
 }
 
 #[derive(Debug, Default, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct BuildQuery {
     /// Run every step of a spec build again instead of taking it from the build cache.

@@ -48,7 +48,7 @@ pub async fn process_ws(
         Err(AgentError::Refused { status, body }) => {
             return Ok((status, axum::Json(body)).into_response());
         }
-        Err(e) => return Err(ApiError::internal(format!("sandbox {id}: {e}"))),
+        Err(e) => return Err(st.sandboxes.agent_failed(&id, e).into()),
     };
     let events = resp.into_body();
     Ok(ws

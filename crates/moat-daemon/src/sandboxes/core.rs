@@ -64,6 +64,22 @@ impl HostLimits {
     }
 }
 
+/// The largest values this daemon accepts in a request, for the API document (`/openapi.json` states
+/// them as `maximum`s so that a client reads the limits it will be held to).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bounds {
+    /// `--max-timeout`, seconds: sandbox lifetimes, command and idle timeouts.
+    pub max_timeout: u64,
+    /// Cores of this host.
+    pub cpus: f64,
+    /// Memory of this host, MiB.
+    pub memory_mb: u64,
+    /// The daemon's own hard RLIMIT_NOFILE.
+    pub nofile: u64,
+    /// Size of the data directory's filesystem, MiB.
+    pub disk_mb: u64,
+}
+
 pub struct Core {
     pub(super) settings: Settings,
     pub(super) db: Arc<Db>,
@@ -250,6 +266,17 @@ impl Core {
             .is_some_and(|t| t.network_addresses(0).is_some())
     }
 
+    /// What this daemon accepts at most (see [`Bounds`]).
+    pub fn bounds(&self) -> Bounds {
+        Bounds {
+            max_timeout: self.settings.max_timeout,
+            cpus: self.host.cpus,
+            memory_mb: self.host.memory_mb,
+            nofile: self.host.nofile,
+            disk_mb: self.host.disk_mb.max(16),
+        }
+    }
+
     pub fn tier_infos(&self) -> Vec<moat_api::TierInfo> {
         let mut out: Vec<moat_api::TierInfo> =
             [Isolation::Container, Isolation::Gvisor, Isolation::Microvm]
@@ -389,6 +416,27 @@ impl Core {
     }
 
     /// The lock that keeps snapshot, reset, pause and resume of one sandbox from interleaving.
+    /// What a call to sandbox `id`'s agent that got no answer means for the client: the agent's own
+    /// refusal as it is; otherwise, a sandbox that is gone, no longer running, or in the middle of a
+    /// pause, reset or snapshot (the request raced it) is the client's 404 or 409, not a failure of
+    /// the host; only a running sandbox whose agent breaks is one.
+    pub fn agent_failed(&self, id: &str, e: crate::agent::AgentError) -> Error {
+        use crate::agent::AgentError;
+        if matches!(e, AgentError::Refused { .. } | AgentError::Call(_)) {
+            return Error::Agent(e);
+        }
+        match self.db.get_sandbox(id) {
+            Ok(None) => Error::not_found("id", format!("sandbox {id} not found")),
+            Ok(Some(r)) if r.state != SandboxState::Running => {
+                Error::conflict(format!("sandbox {id} is {}", r.state.as_str()))
+            }
+            Ok(Some(_)) if self.op_lock(id).try_lock().is_err() => Error::conflict(format!(
+                "sandbox {id} is being paused, reset or snapshotted; try again when that is done"
+            )),
+            _ => Error::Agent(e),
+        }
+    }
+
     pub(super) fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self
             .op_locks

@@ -41,6 +41,7 @@ mod tests;
 mod validate;
 
 pub use builds::{Builds, LiveBuild, BUILD_LABEL};
+pub use core::Bounds;
 pub use lifecycle::{Lifecycle, ListFilter};
 pub use pool::Pool;
 pub use reaper::Reaper;
