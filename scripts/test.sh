@@ -75,3 +75,11 @@ echo "== mcp"
 # Python SDK; the tests start their own daemon (uid base 3900000000) like the SDK tests do.
 target/pyvenv/bin/pip install --quiet mcp pytest httpx
 MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q tests/mcp
+
+echo "== api fuzz"
+# schemathesis, driven by the daemon's own /openapi.json, against a real daemon (tests/fuzz; uid base
+# 3700000000): every phase (examples, coverage, fuzzing, stateful) and every check, seeded and bounded
+# (MOAT_FUZZ_MAX_EXAMPLES per operation, default 10). Any 5xx or answer the document does not
+# declare fails the run (docs/testing.md).
+target/pyvenv/bin/pip install --quiet "schemathesis==4.32.5"
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q tests/fuzz

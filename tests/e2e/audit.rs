@@ -258,3 +258,124 @@ async fn audit_log_records_a_session() {
     assert_eq!(after[..entries.len()], entries[..]);
     d.stop();
 }
+
+/// Thousands of commands that end at once, started faster than the daemon reads: each start and each
+/// exit is in the log, once, the exit after its start, with its exit code. (Before the agent kept a
+/// journal, the daemon polled its process list, which keeps the last 64 exits: most were missing.)
+#[tokio::test(flavor = "multi_thread")]
+async fn audit_log_keeps_every_short_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(tmp.path());
+    let d = Daemon::start_with(
+        &tmp.path().join("data"),
+        &["--default-template", "bb", "--pool-size", "0"],
+    );
+    let c = d.client();
+    c.register_template(&RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
+    let s = c
+        .create_sandbox(&CreateSandboxRequest {
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = s.id.clone();
+    // Thousands on the container tier; fewer where each command costs more (a user-space kernel,
+    // an emulated VM), still far past what a process list keeps.
+    let n: usize = match isolation() {
+        moat_api::Isolation::Container => 2000,
+        moat_api::Isolation::Gvisor => 1000,
+        _ => 300,
+    };
+    let mut pids = std::collections::BTreeMap::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let c = c.clone();
+        let id = id.clone();
+        tasks.spawn(async move {
+            let p = c
+                .start_process_background(
+                    &id,
+                    &StartProcessRequest {
+                        cmd: Some(vec!["sh".into(), "-c".into(), format!("exit {}", i % 7)]),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            (p.pid, p.started_at_us, i)
+        });
+        // At most 8 in flight.
+        while tasks.len() >= 8 {
+            let (pid, at, i) = tasks.join_next().await.unwrap().unwrap();
+            pids.insert((pid, at), i);
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        let (pid, at, i) = r.unwrap();
+        pids.insert((pid, at), i);
+    }
+    assert_eq!(pids.len(), n);
+    let q = |action: &str| AuditQuery {
+        action: Some(action.into()),
+        limit: Some(10_000),
+        ..Default::default()
+    };
+    // The daemon reads the journal while commands run (every 2 s) and once more at the delete.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    c.delete_sandbox(&id).await.unwrap();
+    let entries = c
+        .sandbox_audit(
+            &id,
+            &AuditQuery {
+                limit: Some(10_000),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(
+        !entries.iter().any(|e| e.action == "command.lost"),
+        "records lost"
+    );
+    let key = |e: &AuditEntry| {
+        (
+            e.detail["pid"].as_u64().unwrap() as u32,
+            e.detail["started_at_us"].as_u64().unwrap(),
+        )
+    };
+    let mut started = std::collections::BTreeMap::new();
+    let mut exited = std::collections::BTreeMap::new();
+    for (pos, e) in entries.iter().enumerate() {
+        match e.action.as_str() {
+            "command.start" => assert!(started.insert(key(e), pos).is_none(), "twice: {e:?}"),
+            "command.exit" => assert!(exited.insert(key(e), pos).is_none(), "twice: {e:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        started.len(),
+        n,
+        "{} of {n} starts",
+        c.sandbox_audit(&id, &q("command.start"))
+            .await
+            .unwrap()
+            .len()
+    );
+    assert_eq!(exited.len(), n, "{} of {n} exits", exited.len());
+    for (k, i) in &pids {
+        let (Some(s), Some(x)) = (started.get(k), exited.get(k)) else {
+            panic!("command {i} ({k:?}) missing from the log");
+        };
+        assert!(s < x, "command {i}: its exit comes before its start");
+        let exit = &entries[*x];
+        assert_eq!(exit.detail["exit_code"], (i % 7) as u64, "{exit:?}");
+        assert_ne!(exit.detail["reason"], "sandbox_deleted", "{exit:?}");
+    }
+    d.stop();
+}

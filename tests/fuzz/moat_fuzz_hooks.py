@@ -4,3 +4,35 @@ import schemathesis
 
 # `PUT .../fs/tar` takes `application/x-tar`: bytes, like application/octet-stream.
 schemathesis.serializer.alias("application/x-tar", "application/octet-stream")
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    """`network/log?follow=true` streams for as long as the sandbox lives (the shared one lives as
+    long as the run): follow a valid `true` as `false`, which answers at once with the same entries.
+    Invalid values are sent as they are, to be refused."""
+    if case.operation.path == "/v1/sandboxes/{id}/network/log" and case.query:
+        if case.query.get("follow") in (True, "true"):
+            case.query["follow"] = "false"
+
+
+def _bounded(body, most: float) -> None:
+    """Gives a valid request without a timeout (or with a longer one) `most` seconds."""
+    if not isinstance(body, dict):
+        return
+    t = body.get("timeout")
+    if t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and (t == 0 or t > most)):
+        body["timeout"] = most
+
+
+@schemathesis.hook("before_call")
+def bounded_commands(context, case, kwargs):
+    """A command or a code cell runs, and its answer streams, until it ends: a generated `cat` with
+    stdin open would never end. Each gets at most 5 s (its timeout is part of what is tested; one
+    that is invalid is sent as it is)."""
+    if case.method.upper() != "POST" or not isinstance(case.body, dict):
+        return
+    if case.operation.path == "/v1/sandboxes/{id}/processes" and not case.body.get("background"):
+        _bounded(case.body, 5)
+    elif case.operation.path == "/v1/sandboxes/{id}/code":
+        _bounded(case.body, 5)

@@ -129,7 +129,10 @@ pub async fn read_file(query: Option<&str>) -> HandlerResult {
     let file = std::fs::File::open(&path).map_err(|e| ApiError::io(&shown, &e))?;
     let meta = file.metadata().map_err(|e| ApiError::io(&shown, &e))?;
     if meta.is_dir() {
-        return Err(ApiError::invalid("path", format!("{shown} is a directory")));
+        return Err(ApiError::conflict_on(
+            "path",
+            format!("{shown} is a directory"),
+        ));
     }
     // A size is sent only where it is the content's: files of /proc, /sys and cgroupfs report 0 or
     // 4096 whatever they hold, and are streamed to their end instead.
@@ -198,7 +201,10 @@ pub async fn write_file(query: Option<&str>, body: Incoming) -> HandlerResult {
     };
     let existing = std::fs::metadata(&path).ok();
     if existing.as_ref().is_some_and(|m| m.is_dir()) {
-        return Err(ApiError::invalid("path", format!("{shown} is a directory")));
+        return Err(ApiError::conflict_on(
+            "path",
+            format!("{shown} is a directory"),
+        ));
     }
     let mode = mode
         .or(existing.map(|m| m.mode() & 0o7777))
@@ -291,7 +297,7 @@ pub async fn list(query: Option<&str>) -> HandlerResult {
     let entries = blocking(move || {
         let info = entry_info(&path)?;
         if info.file_type != FileType::Dir {
-            return Err(ApiError::invalid(
+            return Err(ApiError::conflict_on(
                 "path",
                 format!("{} is not a directory", info.path),
             ));

@@ -41,6 +41,11 @@ impl ApiError {
     pub fn conflict(msg: impl Into<String>) -> Self {
         Self::new(ErrorCode::Conflict, msg)
     }
+    /// 409 about a request field: what it names is not in the state the operation needs (a
+    /// directory where a file is read, a file where a directory is listed).
+    pub fn conflict_on(field: &str, msg: impl Into<String>) -> Self {
+        ApiError(ErrorBody::new(ErrorCode::Conflict, msg).with_field(field))
+    }
     pub fn internal(msg: impl Into<String>) -> Self {
         Self::new(ErrorCode::Internal, msg)
     }

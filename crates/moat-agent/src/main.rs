@@ -4,6 +4,7 @@
 mod fsops;
 mod http;
 mod init;
+mod journal;
 mod layerops;
 mod procapi;
 mod process;

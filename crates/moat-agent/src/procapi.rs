@@ -234,6 +234,12 @@ pub fn list(agent: &Agent) -> HandlerResult {
     )
 }
 
+/// `GET /journal`
+pub fn journal(agent: &Agent, query: Option<&str>) -> HandlerResult {
+    let q = crate::http::query_of::<endpoint::Journal>(query)?;
+    json(StatusCode::OK, &agent.procs.journal.read(&q))
+}
+
 /// `GET /processes/{sel}/events`
 pub fn events(agent: &Agent, sel: &str, query: Option<&str>) -> HandlerResult {
     let q = crate::http::query_of::<endpoint::ProcessEvents>(query)?;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use moat_api::{ExitStatus, ProcessInfo, ProcessSelector, PtySize};
+use moat_api::{ExitStatus, JournalEvent, ProcessInfo, ProcessSelector, PtySize};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -172,6 +172,8 @@ pub struct Processes {
     /// User and working directory of a process whose request names none (a template's `user` and
     /// `workdir`).
     defaults: Mutex<(Option<String>, Option<String>)>,
+    /// Every start and exit, in order, for the daemon's audit log.
+    pub journal: crate::journal::Journal,
 }
 
 /// The `oom_kill` count of a cgroup events file (v1 `memory.oom_control`, v2 `memory.events`).
@@ -192,6 +194,7 @@ impl Processes {
             default_timeout_ms: AtomicU64::new(0),
             oom_counter: Mutex::new(None),
             defaults: Mutex::new((None, None)),
+            journal: crate::journal::Journal::new(format!("{:x}-{}", now_us(), std::process::id())),
         })
     }
 
@@ -441,6 +444,10 @@ impl Processes {
             exit_fd,
         });
         lock(&self.table).running.insert(pid, Arc::clone(&proc));
+        // Under the spawn lock, which the reaper takes before it takes a process out: the start is
+        // journaled before its exit can be.
+        self.journal
+            .push(JournalEvent::Start, proc.started_at_us, proc.info());
         drop(guard);
         // The command holds the parent's copies of the pty slave; close them so EOF is seen.
         drop(cmd);
@@ -518,6 +525,7 @@ impl Processes {
                     }
                 }
                 p.exited(status);
+                self.journal.push(JournalEvent::Exit, now_us(), p.info());
             }
         }
     }

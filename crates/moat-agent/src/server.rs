@@ -247,6 +247,7 @@ async fn route(
         Route::SetEnv => set_env(agent, body).await,
         Route::Configure => set_config(agent, body).await,
         Route::ListProcesses => procapi::list(agent),
+        Route::Journal => procapi::journal(agent, query),
         Route::StartProcess => procapi::start(agent, body).await,
         Route::ProcessEvents => procapi::events(agent, sel, query),
         Route::ProcessStdin => procapi::stdin(agent, sel, body).await,

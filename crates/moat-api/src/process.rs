@@ -137,6 +137,52 @@ pub struct ProcessList {
     pub processes: Vec<ProcessInfo>,
 }
 
+/// What a record of the agent's process journal says happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JournalEvent {
+    Start,
+    Exit,
+}
+
+/// One record of the agent's process journal: a process started or exited. `process` is the process
+/// as it was then (at an exit, with its `exit`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JournalRecord {
+    /// 1, 2, 3, ... in the order the agent saw the events; never reused while the agent runs.
+    pub seq: u64,
+    pub event: JournalEvent,
+    /// When it happened, microseconds since the Unix epoch.
+    pub at_us: u64,
+    pub process: ProcessInfo,
+}
+
+/// Query of the agent's `GET /journal`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JournalQuery {
+    /// Only records with a greater `seq` (0 or absent: from the oldest kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<u64>,
+    /// At most this many records (default and largest 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// Answer of the agent's `GET /journal`: every process start and exit, in order, without gaps. The
+/// agent keeps the newest records only (bounded in number and bytes); a reader that fell behind sees
+/// `first_seq` beyond the one it asked for, and knows how many it lost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProcessJournal {
+    /// Names this agent's run: `seq` counts anew when it changes (a new agent).
+    pub epoch: String,
+    /// The oldest record still kept (`next_seq` when there is none).
+    pub first_seq: u64,
+    /// The `seq` the next record will get.
+    pub next_seq: u64,
+    pub records: Vec<JournalRecord>,
+}
+
 /// Query of `GET .../processes/{process}/events` (re-attach).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]

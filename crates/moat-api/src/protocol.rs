@@ -158,6 +158,9 @@ protocol! {
     Configure: POST "/config", query NoQuery, body Json AgentConfig, answer Empty ();
     /// Running processes and the most recent exited ones.
     ListProcesses: GET "/processes", query NoQuery, body Empty (), answer Json ProcessList;
+    /// Every process start and exit since the agent started, in order (the newest kept).
+    Journal: GET "/journal", query JournalQuery, body Empty (),
+        answer Json ProcessJournal;
     /// Starts a process: its events as NDJSON (`ProcessEvent`) to its exit, or with `background`
     /// a 201 with its `ProcessInfo`.
     StartProcess: POST "/processes", query NoQuery, body Json StartProcessRequest,

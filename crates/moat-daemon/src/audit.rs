@@ -2,21 +2,25 @@
 //! table of the daemon's database (see docs/audit.md).
 //!
 //! Writers send entries over a bounded channel to one writer task, which inserts them in batches (one
-//! transaction each); a full channel makes the sender wait, so nothing is dropped. Commands are
-//! observed by polling the agents of sandboxes that started commands: a process seen for the first time
-//! is recorded as `command.start` (at its start time), an exited one as `command.exit`.
+//! transaction each); a full channel makes the sender wait, so nothing is dropped. Commands come from
+//! each agent's process journal (every start and exit, numbered in order, kept until read): the daemon
+//! reads a sandbox's journal after the last record it wrote while the sandbox has commands running, and
+//! once more before it is deleted, and writes `command.start` and `command.exit` at the times they
+//! happened. None is missed however short the command; records an agent had to drop before they were
+//! read (more than its bound between two reads) are written as one `command.lost` with their count.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use moat_api::{AuditEntry, AuditQuery, SandboxState};
+use moat_api::{AuditEntry, AuditQuery, JournalEvent, SandboxState};
 use rusqlite::{params, params_from_iter};
 use serde_json::json;
 use sha2::Digest;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::agent::AgentClient;
 use crate::clock::{now_ms, rfc3339};
 use crate::db::Db;
 use crate::error::Error;
@@ -28,6 +32,10 @@ const QUEUE: usize = 4096;
 const BATCH: usize = 512;
 /// How often sandboxes with running commands are polled.
 pub const POLL_EVERY: Duration = Duration::from_secs(2);
+/// How long one read of an agent's process journal may take.
+const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Records in a full page of the journal (the agent's most per read).
+const JOURNAL_PAGE: usize = 1000;
 /// Default and largest `limit` of a query.
 pub const DEFAULT_LIMIT: u32 = 100;
 pub const MAX_LIMIT: u32 = 10_000;
@@ -61,10 +69,36 @@ pub fn key_id(key: &str) -> String {
 /// A process as the poller knows it: (pid, started_at_us).
 type ProcKey = (u32, u64);
 
+/// A command started and not yet seen to end.
+#[derive(Debug, Clone, Default)]
+struct Open {
+    cmd: Vec<String>,
+    cwd: String,
+    user: String,
+    tag: Option<String>,
+}
+
+impl Open {
+    fn of(p: &moat_api::ProcessInfo) -> Open {
+        Open {
+            cmd: p.cmd.clone(),
+            cwd: p.cwd.clone(),
+            user: p.user.clone(),
+            tag: p.tag.clone(),
+        }
+    }
+}
+
+/// What the log has of one sandbox's commands.
 #[derive(Default)]
 struct Known {
-    started: HashSet<ProcKey>,
-    exited: HashSet<ProcKey>,
+    /// Read from the database (after a restart) already.
+    loaded: bool,
+    /// The agent run (journal epoch) and the last of its records written.
+    cursor: Option<(String, u64)>,
+    /// Per agent run, the last record the log already had when the daemon started.
+    resume: HashMap<String, u64>,
+    open: HashMap<ProcKey, Open>,
 }
 
 /// Requests refused for their key that may be written one by one: a burst of this many, then this
@@ -93,8 +127,8 @@ pub struct Audit {
     refused: Mutex<Refused>,
     /// Sandboxes to poll for command starts and exits.
     watched: Mutex<HashSet<String>>,
-    /// Per sandbox, the processes already recorded.
-    known: tokio::sync::Mutex<HashMap<String, Known>>,
+    /// Per sandbox, what the log has of its commands (one poll of a sandbox at a time).
+    known: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Known>>>>,
     /// Wakes the poller early when a command was started.
     wake: tokio::sync::Notify,
 }
@@ -117,7 +151,7 @@ impl Audit {
                 other: 0,
             }),
             watched: Mutex::new(HashSet::new()),
-            known: tokio::sync::Mutex::new(HashMap::new()),
+            known: Mutex::new(HashMap::new()),
             wake: tokio::sync::Notify::new(),
         });
         let weak = Arc::downgrade(&audit);
@@ -266,85 +300,37 @@ impl Audit {
         }
     }
 
-    /// Records what changed in `id`'s processes since the last poll. `last`: the sandbox is going away,
-    /// so commands still running are recorded as ended by it.
+    /// Writes what `id`'s agent journaled since the last record written: every start and exit, in
+    /// the agent's order, at the time it happened. `last`: the sandbox is going away, so commands
+    /// still running are recorded as ended by it.
     pub async fn poll(&self, sandboxes: &Lifecycle, id: &str, last: bool) {
-        // Ask the agent first, without holding the lock: one slow sandbox must not hold up the others.
-        let list = match sandboxes.agent_untouched(id).await {
-            Ok(agent) => {
-                match tokio::time::timeout(Duration::from_secs(5), agent.processes()).await {
-                    Ok(Ok(l)) => Some(l.processes),
-                    Ok(Err(e)) => {
-                        tracing::debug!(sandbox = %id, "audit poll: {e}");
-                        None
-                    }
-                    Err(_) => None,
-                }
-            }
+        let agent = match sandboxes.agent_untouched(id).await {
+            Ok(agent) => Some(agent),
             Err(Error::NotFound { .. }) => None,
-            Err(_) if !last => return, // starting/stopping: try again later
+            Err(_) if !last => return, // starting/stopping/paused: try again later
             Err(_) => None,
         };
-        let mut known_all = self.known.lock().await;
-        if !known_all.contains_key(id) {
-            let k = self.load_known(id).await;
-            known_all.insert(id.to_string(), k);
-        }
-        let Some(known) = known_all.get_mut(id) else {
-            return;
+        // One poll of a sandbox at a time (the poller's and a delete's), without holding up others.
+        let entry = {
+            let mut all = self.known.lock().unwrap_or_else(|p| p.into_inner());
+            all.entry(id.to_string()).or_default().clone()
         };
-        let gone = list.is_none() && (last || !sandboxes.exists(id));
-        if list.is_none() && !gone {
-            return;
+        let mut known = entry.lock().await;
+        if !known.loaded {
+            *known = self.load_known(id).await;
         }
-        let now = now_ms();
-        let mut running = false;
-        for p in list.unwrap_or_default() {
-            let key = (p.pid, p.started_at_us);
-            let started_ms = (p.started_at_us / 1000) as i64;
-            if known.started.insert(key) {
-                self.record(NewEntry {
-                    at_ms: started_ms,
-                    actor: DAEMON.into(),
-                    action: "command.start".into(),
-                    sandbox_id: Some(id.to_string()),
-                    status: None,
-                    detail: json!({
-                        "pid": p.pid, "argv": p.cmd, "cwd": p.cwd, "user": p.user, "tag": p.tag,
-                        "pty": p.pty, "started_at_us": p.started_at_us,
-                    }),
-                })
-                .await;
-            }
-            if known.exited.contains(&key) {
-                continue;
-            }
-            match (&p.exit, p.running) {
-                (Some(x), false) => {
-                    known.exited.insert(key);
-                    self.record(NewEntry {
-                        at_ms: now.max(started_ms),
-                        actor: DAEMON.into(),
-                        action: "command.exit".into(),
-                        sandbox_id: Some(id.to_string()),
-                        status: x.exit_code.map(i64::from),
-                        detail: json!({
-                            "pid": p.pid, "argv": p.cmd, "cwd": p.cwd, "user": p.user, "tag": p.tag,
-                            "exit_code": x.exit_code, "signal": x.signal, "timed_out": x.timed_out,
-                            "reason": x.reason, "error": x.error,
-                            "duration_ms": (now - started_ms).max(0),
-                            "started_at_us": p.started_at_us,
-                        }),
-                    })
-                    .await;
-                }
-                _ => running = true,
-            }
+        let mut drained = false;
+        if let Some(agent) = agent {
+            drained = self.read_journal(&agent, id, &mut known).await;
+        }
+        let gone = !drained && (last || !sandboxes.exists(id));
+        if !drained && !gone {
+            return; // unreachable for now: the journal keeps the records until the next poll
         }
         if last || gone {
-            // What is still running dies with the sandbox; what the agent forgot ended unseen.
-            let open: Vec<ProcKey> = known.started.difference(&known.exited).copied().collect();
-            for (pid, started_at_us) in open {
+            // What is still running dies with the sandbox.
+            let now = now_ms();
+            for ((pid, started_at_us), p) in std::mem::take(&mut known.open) {
                 let started_ms = (started_at_us / 1000) as i64;
                 self.record(NewEntry {
                     at_ms: now.max(started_ms),
@@ -353,56 +339,186 @@ impl Audit {
                     sandbox_id: Some(id.to_string()),
                     status: None,
                     detail: json!({
-                        "pid": pid, "reason": "sandbox_deleted", "signal": "SIGKILL",
+                        "pid": pid, "argv": p.cmd, "cwd": p.cwd, "user": p.user, "tag": p.tag,
+                        "reason": "sandbox_deleted", "signal": "SIGKILL",
                         "duration_ms": (now - started_ms).max(0), "started_at_us": started_at_us,
                     }),
                 })
                 .await;
             }
-            known_all.remove(id);
+            drop(known);
+            self.known
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
             if let Ok(mut w) = self.watched.lock() {
                 w.remove(id);
             }
-        } else if !running {
+        } else if known.open.is_empty() {
             if let Ok(mut w) = self.watched.lock() {
                 w.remove(id);
             }
         }
     }
 
-    /// The processes of `id` already in the log (after a restart).
+    /// Reads `id`'s journal after the cursor to its end, writing each record; whether it got to the
+    /// end (false: the agent did not answer).
+    async fn read_journal(&self, agent: &AgentClient, id: &str, known: &mut Known) -> bool {
+        loop {
+            let after = known.cursor.as_ref().map_or(0, |(_, seq)| *seq);
+            let j = match tokio::time::timeout(JOURNAL_TIMEOUT, agent.journal(after)).await {
+                Ok(Ok(j)) => j,
+                Ok(Err(e)) => {
+                    tracing::debug!(sandbox = %id, "audit: reading the process journal: {e}");
+                    return false;
+                }
+                Err(_) => return false,
+            };
+            match &known.cursor {
+                Some((epoch, _)) if *epoch != j.epoch => {
+                    // A new agent (a reset, a restore): its journal counts from 1.
+                    known.cursor = Some((j.epoch.clone(), 0));
+                    continue;
+                }
+                None => {
+                    // First read since the daemon started: go on from what the log already has.
+                    let seq = known.resume.get(&j.epoch).copied().unwrap_or(0);
+                    known.cursor = Some((j.epoch.clone(), seq));
+                    if seq != after {
+                        continue;
+                    }
+                }
+                Some(_) => {}
+            }
+            if j.first_seq > after + 1 {
+                let lost = j.first_seq - after - 1;
+                self.record(NewEntry {
+                    at_ms: now_ms(),
+                    actor: DAEMON.into(),
+                    action: "command.lost".into(),
+                    sandbox_id: Some(id.to_string()),
+                    status: None,
+                    detail: json!({
+                        "records": lost, "journal_epoch": j.epoch, "journal_seq": j.first_seq - 1,
+                        "why": "the sandbox's agent dropped its oldest process records before they were read",
+                    }),
+                })
+                .await;
+            }
+            let full = j.records.len() >= JOURNAL_PAGE;
+            for r in j.records {
+                self.write_record(id, &j.epoch, &r, known).await;
+                known.cursor = Some((j.epoch.clone(), r.seq));
+            }
+            if !full {
+                return true;
+            }
+        }
+    }
+
+    async fn write_record(
+        &self,
+        id: &str,
+        epoch: &str,
+        r: &moat_api::JournalRecord,
+        known: &mut Known,
+    ) {
+        let p = &r.process;
+        let key = (p.pid, p.started_at_us);
+        let at_ms = (r.at_us / 1000) as i64;
+        let started_ms = (p.started_at_us / 1000) as i64;
+        let entry = match r.event {
+            JournalEvent::Start => {
+                known.open.insert(key, Open::of(p));
+                NewEntry {
+                    at_ms,
+                    actor: DAEMON.into(),
+                    action: "command.start".into(),
+                    sandbox_id: Some(id.to_string()),
+                    status: None,
+                    detail: json!({
+                        "pid": p.pid, "argv": p.cmd, "cwd": p.cwd, "user": p.user, "tag": p.tag,
+                        "pty": p.pty, "started_at_us": p.started_at_us,
+                        "journal_epoch": epoch, "journal_seq": r.seq,
+                    }),
+                }
+            }
+            JournalEvent::Exit => {
+                known.open.remove(&key);
+                let x = p.exit.clone().unwrap_or_default();
+                NewEntry {
+                    at_ms: at_ms.max(started_ms),
+                    actor: DAEMON.into(),
+                    action: "command.exit".into(),
+                    sandbox_id: Some(id.to_string()),
+                    status: x.exit_code.map(i64::from),
+                    detail: json!({
+                        "pid": p.pid, "argv": p.cmd, "cwd": p.cwd, "user": p.user, "tag": p.tag,
+                        "exit_code": x.exit_code, "signal": x.signal, "timed_out": x.timed_out,
+                        "reason": x.reason, "error": x.error,
+                        "duration_ms": (at_ms - started_ms).max(0),
+                        "started_at_us": p.started_at_us,
+                        "journal_epoch": epoch, "journal_seq": r.seq,
+                    }),
+                }
+            }
+        };
+        self.record(entry).await;
+    }
+
+    /// What the log already has of `id`'s commands (after a restart): the last journal record
+    /// written per agent run, and the commands started and not yet ended.
     async fn load_known(&self, id: &str) -> Known {
         let db = self.db.clone();
         let id = id.to_string();
         let rows = tokio::task::spawn_blocking(move || {
             db.with_conn(|c| {
                 let mut st = c.prepare(
-                    "SELECT action, json_extract(detail, '$.pid'), json_extract(detail, '$.started_at_us')
-                     FROM audit WHERE sandbox_id = ?1 AND action IN ('command.start', 'command.exit')",
+                    "SELECT action, detail FROM audit
+                     WHERE sandbox_id = ?1 AND action IN ('command.start', 'command.exit', 'command.lost')
+                     ORDER BY id",
                 )?;
                 let rows = st.query_map(params![id], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, Option<i64>>(1)?,
-                        r.get::<_, Option<i64>>(2)?,
-                    ))
+                    Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
                 })?;
                 rows.collect::<rusqlite::Result<Vec<_>>>()
             })
         })
         .await;
-        let mut k = Known::default();
-        if let Ok(Ok(rows)) = rows {
-            for (action, pid, at) in rows {
-                let (Some(pid), Some(at)) = (pid, at) else {
-                    continue;
-                };
-                let key = (pid as u32, at as u64);
-                if action == "command.start" {
-                    k.started.insert(key);
-                } else {
-                    k.exited.insert(key);
+        let mut k = Known {
+            loaded: true,
+            ..Default::default()
+        };
+        for (action, detail) in rows.ok().and_then(Result::ok).unwrap_or_default() {
+            let Ok(d) = serde_json::from_str::<serde_json::Value>(&detail) else {
+                continue;
+            };
+            if let (Some(epoch), Some(seq)) =
+                (d["journal_epoch"].as_str(), d["journal_seq"].as_u64())
+            {
+                let best = k.resume.entry(epoch.to_string()).or_default();
+                *best = (*best).max(seq);
+            }
+            let (Some(pid), Some(at)) = (d["pid"].as_u64(), d["started_at_us"].as_u64()) else {
+                continue;
+            };
+            let key = (pid as u32, at);
+            match action.as_str() {
+                "command.start" => {
+                    k.open.insert(
+                        key,
+                        Open {
+                            cmd: serde_json::from_value(d["argv"].clone()).unwrap_or_default(),
+                            cwd: d["cwd"].as_str().unwrap_or_default().to_string(),
+                            user: d["user"].as_str().unwrap_or_default().to_string(),
+                            tag: d["tag"].as_str().map(str::to_string),
+                        },
+                    );
                 }
+                "command.exit" => {
+                    k.open.remove(&key);
+                }
+                _ => {}
             }
         }
         k
@@ -515,15 +631,21 @@ pub async fn retention_loop(
     }
 }
 
-/// RFC 3339 or Unix milliseconds → Unix milliseconds.
+/// RFC 3339 (with `Z` or an offset; also without one, read as UTC) or Unix milliseconds → Unix
+/// milliseconds.
 pub fn parse_time(field: &str, s: &str) -> Result<i64, Error> {
     if let Ok(ms) = s.parse::<i64>() {
         return Ok(ms);
     }
-    humantime::parse_rfc3339_weak(s)
+    chrono::DateTime::parse_from_rfc3339(s)
         .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as i64)
+        .map(|t| t.timestamp_millis())
+        .or_else(|| {
+            humantime::parse_rfc3339_weak(s)
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_millis() as i64)
+        })
         .ok_or_else(|| {
             Error::invalid(
                 field,
@@ -621,6 +743,61 @@ async fn writer(db: Arc<Db>, mut rx: mpsc::Receiver<Msg>, max_entries: u64) {
 mod tests {
     use super::*;
 
+    /// The journal is read to its end, each record written once in order, and a daemon that starts
+    /// again goes on after the last record the log has.
+    #[tokio::test]
+    async fn the_process_journal_is_written_once_and_in_order() {
+        let db = Arc::new(Db::open_in_memory().unwrap());
+        let audit = Audit::start(db, 0);
+        let fake = crate::agent::fake::FakeAgent::new();
+        let f = fake.clone();
+        let agent = AgentClient::new(
+            "sbx_test",
+            Arc::new(move || {
+                let f = f.clone();
+                Box::pin(async move { Ok(f.connect()) })
+            }),
+        );
+        let start = |n: usize| moat_api::StartProcessRequest {
+            cmd: Some(vec!["true".into(), n.to_string()]),
+            ..Default::default()
+        };
+        for n in 0..3 {
+            agent.run_streamed(&start(n), |_| {}).await.unwrap();
+        }
+        let mut known = audit.load_known("sbx_test").await;
+        assert!(audit.read_journal(&agent, "sbx_test", &mut known).await);
+        assert!(audit.read_journal(&agent, "sbx_test", &mut known).await);
+        audit.flush().await;
+        let q = AuditQuery::default();
+        let all = audit.query(&q, Some("sbx_test")).await.unwrap();
+        let actions: Vec<(&str, u64)> = all
+            .iter()
+            .map(|e| (e.action.as_str(), e.detail["journal_seq"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(
+            actions,
+            [
+                ("command.start", 1),
+                ("command.exit", 2),
+                ("command.start", 3),
+                ("command.exit", 4),
+                ("command.start", 5),
+                ("command.exit", 6)
+            ]
+        );
+        assert!(known.open.is_empty());
+        // As after a restart: the log's own records say where to go on.
+        agent.run_streamed(&start(3), |_| {}).await.unwrap();
+        let mut again = audit.load_known("sbx_test").await;
+        assert!(audit.read_journal(&agent, "sbx_test", &mut again).await);
+        audit.flush().await;
+        let all = audit.query(&q, Some("sbx_test")).await.unwrap();
+        assert_eq!(all.len(), 8, "{all:#?}");
+        assert_eq!(all[7].detail["journal_seq"], 8);
+        assert_eq!(all[7].detail["argv"][1], "3");
+    }
+
     #[tokio::test]
     async fn record_query_prune() {
         let db = Arc::new(Db::open_in_memory().unwrap());
@@ -654,6 +831,9 @@ mod tests {
         let e = audit.query(&bad, None).await.unwrap_err();
         assert_eq!(e.field(), Some("since"));
         assert_eq!(parse_time("t", "1970-01-01T00:00:01Z").unwrap(), 1000);
+        assert_eq!(parse_time("t", "1970-01-01T01:00:01+01:00").unwrap(), 1000);
+        assert_eq!(parse_time("t", "1969-12-31T23:59:59.5Z").unwrap(), -500);
+        assert!(parse_time("t", "").is_err());
         // Old entries go by age, then the oldest beyond the cap.
         assert_eq!(audit.prune(100_000_000, 3).unwrap(), 2);
         assert_eq!(

@@ -46,6 +46,8 @@ struct State {
     env: BTreeMap<String, String>,
     config: Option<AgentConfig>,
     processes: Vec<ProcessInfo>,
+    /// The process journal: each start, and each exit (the fake's commands end at once).
+    journal: Vec<moat_api::JournalRecord>,
     files: BTreeSet<String>,
     faults: Faults,
 }
@@ -219,6 +221,27 @@ impl FakeAgent {
                     &e.to_string(),
                 ),
             },
+            Route::Journal => {
+                let after = query
+                    .as_deref()
+                    .and_then(|q| serde_urlencoded::from_str::<moat_api::JournalQuery>(q).ok())
+                    .and_then(|q| q.after)
+                    .unwrap_or(0);
+                json(
+                    StatusCode::OK,
+                    &moat_api::ProcessJournal {
+                        epoch: "fake".into(),
+                        first_seq: 1,
+                        next_seq: st.journal.len() as u64 + 1,
+                        records: st
+                            .journal
+                            .iter()
+                            .filter(|r| r.seq > after)
+                            .cloned()
+                            .collect(),
+                    },
+                )
+            }
             Route::ListProcesses => json(
                 StatusCode::OK,
                 &ProcessList {
@@ -258,6 +281,29 @@ impl FakeAgent {
                     started_at_us: 0,
                 };
                 st.processes.push(info.clone());
+                let mut started = ProcessInfo {
+                    running: true,
+                    exit: None,
+                    ..info.clone()
+                };
+                started.stdin_open = req.stdin;
+                for (event, process) in [
+                    (moat_api::JournalEvent::Start, Some(started)),
+                    (
+                        moat_api::JournalEvent::Exit,
+                        info.exit.is_some().then(|| info.clone()),
+                    ),
+                ] {
+                    if let Some(process) = process {
+                        let seq = st.journal.len() as u64 + 1;
+                        st.journal.push(moat_api::JournalRecord {
+                            seq,
+                            event,
+                            at_us: seq,
+                            process,
+                        });
+                    }
+                }
                 if req.background {
                     json(StatusCode::CREATED, &info)
                 } else {

@@ -62,6 +62,15 @@ impl AgentClient {
             .await
     }
 
+    /// The agent's process journal after record `after` (0: from the oldest kept).
+    pub async fn journal(&self, after: u64) -> Result<moat_api::ProcessJournal, AgentError> {
+        let q = moat_api::JournalQuery {
+            after: Some(after),
+            limit: None,
+        };
+        self.call::<endpoint::Journal>(None, &q, &()).await
+    }
+
     /// Re-attaches to process `sel`: its event stream (from its start with `replay`).
     pub async fn events(
         &self,

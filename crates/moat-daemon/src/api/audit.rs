@@ -40,7 +40,9 @@ fn answer(q: &AuditQuery, entries: Vec<AuditEntry>) -> ApiResult<Response> {
 
 /// The audit log: API actions and commands, oldest first; `format=jsonl` exports it as JSON lines.
 #[utoipa::path(get, path = "/v1/audit", tag = "audit", params(AuditQuery),
-    responses((status = 200, body = AuditList), (status = 400, body = moat_api::ErrorBody)))]
+    responses((status = 200, description = "`format=json`: the entries; `format=jsonl`: one `AuditEntry` per line",
+               content((AuditList = "application/json"), (AuditEntry = "application/x-ndjson"))),
+              (status = 400, body = moat_api::ErrorBody)))]
 pub async fn list(State(st): St, req: Request) -> ApiResult<Response> {
     let q = parse_query(&req)?;
     let entries = st.audit.query(&q, None).await?;
@@ -49,7 +51,9 @@ pub async fn list(State(st): St, req: Request) -> ApiResult<Response> {
 
 /// The audit log of one sandbox (also after it was deleted).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/audit", tag = "audit", params(("id" = String, Path), AuditQuery),
-    responses((status = 200, body = AuditList), (status = 400, body = moat_api::ErrorBody), (status = 404, body = moat_api::ErrorBody)))]
+    responses((status = 200, description = "`format=json`: the entries; `format=jsonl`: one `AuditEntry` per line",
+               content((AuditList = "application/json"), (AuditEntry = "application/x-ndjson"))),
+              (status = 400, body = moat_api::ErrorBody), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn for_sandbox(
     State(st): St,
     Path(id): Path<String>,

@@ -26,7 +26,9 @@ pub async fn run(
     JsonBody(req): JsonBody<RunCodeRequest>,
 ) -> ApiResult<Response> {
     let agent = st.sandboxes.agent(&id).await?;
-    let ctx = code::prepare(&agent, &id, &req).await?;
+    let ctx = code::prepare(&agent, &id, &req)
+        .await
+        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
     let (tx, rx) = mpsc::channel::<CodeEvent>(256);
     // The cell runs to its end (or timeout) even if the client goes away.
     tokio::spawn(code::run(agent, id, ctx, req, tx));
@@ -44,7 +46,9 @@ pub async fn create_context(
 ) -> ApiResult<(StatusCode, Json<CodeContext>)> {
     let agent = st.sandboxes.agent(&id).await?;
     let ctx_id = format!("ctx_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
-    let ctx = code::start(&agent, &ctx_id, req.language.unwrap_or_default(), req.cwd).await?;
+    let ctx = code::start(&agent, &ctx_id, req.language.unwrap_or_default(), req.cwd)
+        .await
+        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
     Ok((StatusCode::CREATED, Json(ctx)))
 }
 
@@ -57,7 +61,9 @@ pub async fn list_contexts(
 ) -> ApiResult<Json<CodeContextList>> {
     let agent = st.sandboxes.agent(&id).await?;
     Ok(Json(CodeContextList {
-        contexts: code::list(&agent).await?,
+        contexts: code::list(&agent)
+            .await
+            .map_err(|e| st.sandboxes.agent_error(&id, e))?,
     }))
 }
 
@@ -70,8 +76,15 @@ pub async fn restart_context(
     Path((id, context)): Path<(String, String)>,
 ) -> ApiResult<Json<CodeContext>> {
     let agent = st.sandboxes.agent(&id).await?;
-    let ctx = code::get(&agent, &context, "context").await?;
-    Ok(Json(code::restart(&agent, &id, &ctx).await?))
+    let restarted = async {
+        let ctx = code::get(&agent, &context, "context").await?;
+        code::restart(&agent, &id, &ctx).await
+    };
+    Ok(Json(
+        restarted
+            .await
+            .map_err(|e| st.sandboxes.agent_error(&id, e))?,
+    ))
 }
 
 /// Delete a context and its kernel.
@@ -83,7 +96,12 @@ pub async fn delete_context(
     Path((id, context)): Path<(String, String)>,
 ) -> ApiResult<StatusCode> {
     let agent = st.sandboxes.agent(&id).await?;
-    let ctx = code::get(&agent, &context, "context").await?;
-    code::delete(&agent, &id, &ctx).await?;
+    let deleted = async {
+        let ctx = code::get(&agent, &context, "context").await?;
+        code::delete(&agent, &id, &ctx).await
+    };
+    deleted
+        .await
+        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -40,6 +40,21 @@ pub(super) fn document(b: &Bounds) -> Value {
             }
         }
     }
+    // Bodies that may be empty: an empty file, no bytes for stdin.
+    for (path, method) in [
+        ("/v1/sandboxes/{id}/files", "put"),
+        ("/v1/sandboxes/{id}/processes/{process}/stdin", "post"),
+    ] {
+        if let Some(body) = doc
+            .get_mut("paths")
+            .and_then(|p| p.get_mut(path))
+            .and_then(|i| i.get_mut(method))
+            .and_then(|o| o.get_mut("requestBody"))
+            .and_then(Value::as_object_mut)
+        {
+            body.insert("required".into(), Value::Bool(false));
+        }
+    }
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
         for (path, item) in paths.iter_mut() {
             let Some(item) = item.as_object_mut() else {
@@ -207,7 +222,7 @@ fn field_constraints(b: &Bounds) -> Vec<(&'static str, Option<&'static str>, Val
         (
             "CreateSnapshotRequest",
             Some("name"),
-            json!({"pattern": NAME, "not": {"pattern": "^snap_"}}),
+            json!({"pattern": NAME, "not": {"type": "string", "pattern": "^snap_"}}),
         ),
         ("CreateSnapshotRequest", Some("metadata"), metadata),
         ("RegisterTemplateRequest", Some("name"), name),
@@ -260,8 +275,16 @@ fn field_constraints(b: &Bounds) -> Vec<(&'static str, Option<&'static str>, Val
             Some("env"),
             json!({"propertyNames": {"pattern": ENV_NAME}, "additionalProperties": {"pattern": NO_NUL}}),
         ),
-        ("PtySize", Some("cols"), json!({"minimum": 1})),
-        ("PtySize", Some("rows"), json!({"minimum": 1})),
+        (
+            "PtySize",
+            Some("cols"),
+            json!({"minimum": 1, "maximum": u16::MAX}),
+        ),
+        (
+            "PtySize",
+            Some("rows"),
+            json!({"minimum": 1, "maximum": u16::MAX}),
+        ),
         (
             "NetworkPolicy",
             Some("egress_mbps"),
@@ -289,6 +312,10 @@ fn parameter_constraint(path: &str, place: &str, name: &str) -> Option<Value> {
         ("path", "process") => Some(json!({"pattern": PROCESS})),
         ("query", "path") => Some(json!({"minLength": 1, "pattern": NO_NUL})),
         ("query", "depth") => Some(json!({"minimum": 1, "maximum": 32})),
+        ("query", "mode") => Some(json!({"pattern": "^(0o)*\\+?0*[0-7]{1,4}$"})),
+        ("query", "since" | "until") => Some(json!({
+            "anyOf": [{"pattern": "^-?[0-9]{1,18}$"}, {"format": "date-time"}],
+        })),
         ("query", "state") if path == "/v1/sandboxes" => {
             Some(json!({"enum": ["starting", "running", "paused", "stopping"]}))
         }

@@ -31,7 +31,8 @@ fn check_id(id: &str) -> ApiResult<()> {
 /// stays open and streams entries as JSON lines as they are logged, until the sandbox is gone.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/network/log", tag = "network",
     params(("id" = String, Path), NetworkLogQuery),
-    responses((status = 200, body = NetworkLog, description = "the entries; with follow=true an NDJSON stream of NetworkLogEntry"),
+    responses((status = 200, description = "the entries; with follow=true an NDJSON stream of NetworkLogEntry",
+               content((NetworkLog = "application/json"), (moat_api::NetworkLogEntry = "application/x-ndjson"))),
               (status = 400, body = moat_api::ErrorBody), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn log(State(st): St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
     check_id(&id)?;

@@ -189,7 +189,8 @@ pub async fn list_dir(st: St, Path(id): Path<String>, req: Request) -> ApiResult
 
 /// Create a directory and its parents.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fs/mkdir", tag = "files", params(("id" = String, Path)),
-    request_body = MkdirRequest, responses((status = 200, body = MkdirResponse), (status = 409, body = ErrorBody)))]
+    request_body = MkdirRequest, responses((status = 201, body = MkdirResponse, description = "created"),
+        (status = 200, body = MkdirResponse, description = "the directory existed already"), (status = 409, body = ErrorBody)))]
 pub async fn mkdir(st: St, Path(id): Path<String>, req: Request) -> ApiResult<Response> {
     forward::<endpoint::Mkdir>(&st, &id, None, req).await
 }

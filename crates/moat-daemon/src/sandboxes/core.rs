@@ -437,6 +437,14 @@ impl Core {
         }
     }
 
+    /// [`Core::agent_failed`] for an error that may have come from sandbox `id`'s agent.
+    pub fn agent_error(&self, id: &str, e: Error) -> Error {
+        match e {
+            Error::Agent(a) => self.agent_failed(id, a),
+            e => e,
+        }
+    }
+
     pub(super) fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = self
             .op_locks
