@@ -81,5 +81,7 @@ echo "== api fuzz"
 # 3700000000): every phase (examples, coverage, fuzzing, stateful) and every check, seeded and bounded
 # (MOAT_FUZZ_MAX_EXAMPLES per operation, default 10). Any 5xx or answer the document does not
 # declare fails the run (docs/testing.md).
-target/pyvenv/bin/pip install --quiet "schemathesis==4.32.5"
-MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/pyvenv/bin/pytest -q tests/fuzz
+# A venv of its own: schemathesis' dependencies stay out of the SDK's and MCP's.
+python3 -m venv target/fuzz-venv
+target/fuzz-venv/bin/pip install --quiet "schemathesis==4.32.5" pytest httpx
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/fuzz-venv/bin/pytest -q tests/fuzz
