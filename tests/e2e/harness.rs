@@ -364,6 +364,7 @@ pub async fn try_run_req(
                 out.exit = e;
                 exited = true;
             }
+            ProcessEvent::Error { message } => return Err(format!("the stream broke: {message}")),
         }
     }
     if !exited {

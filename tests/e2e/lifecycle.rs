@@ -179,21 +179,73 @@ async fn twenty_concurrent_creates() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sandbox_whose_pid1_dies_is_removed() {
+    use futures::StreamExt;
     let d = shared();
     let c = d.client();
     let s = create(&c, "base").await;
     let facts = host_facts(&s.id);
     let pid1 = *facts.pids.iter().min().unwrap();
+    // A command streaming its output when the sandbox dies under it.
+    let mut events = c
+        .start_process_stream(
+            &s.id,
+            &moat_api::StartProcessRequest {
+                command: Some("echo up; sleep 120".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    loop {
+        match events.next().await {
+            Some(Ok(moat_api::ProcessEvent::Stdout(o))) if o.data.as_deref() == Some("up\n") => {
+                break
+            }
+            Some(Ok(_)) => continue,
+            other => panic!("before the kill: {other:?}"),
+        }
+    }
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid1 as i32),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
+    // The stream ends with an error event that says so, not with a silent stop.
+    let mut last = None;
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(30), events.next())
+        .await
+        .expect("the stream of a dead sandbox's command stays open")
+    {
+        last = Some(ev.unwrap());
+    }
+    assert!(
+        matches!(&last, Some(moat_api::ProcessEvent::Error { message }) if message.contains(&s.id)),
+        "the stream ended with {last:?}"
+    );
     let gone = eventually(Duration::from_secs(15), || {
         !sandbox_dir(&d.data_dir, &s.id).exists()
     })
     .await;
     assert!(gone, "sandbox with a dead PID 1 was not removed");
     wait_not_found(&c, &s.id).await;
+    // Where it went is said: in the 404, and in the audit log.
+    let err = c.get_sandbox(&s.id).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("agent_lost") || msg.contains("oom"),
+        "the 404 does not say why: {msg}"
+    );
+    let ended = c
+        .sandbox_audit(
+            &s.id,
+            &moat_api::AuditQuery {
+                action: Some("sandbox.ended".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ended.len(), 1, "{ended:?}");
+    assert_eq!(ended[0].detail["reason"], "agent_lost", "{ended:?}");
     assert_no_leaks(&facts, &d.data_dir);
 }

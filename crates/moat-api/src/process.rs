@@ -109,6 +109,11 @@ pub enum ProcessEvent {
     },
     /// Last event.
     Exit(ExitStatus),
+    /// Last event instead of `exit`: the stream broke before the process's end was known (the
+    /// sandbox's agent died, or the sandbox ended); the message says what happened.
+    Error {
+        message: String,
+    },
 }
 
 /// A process as `GET .../processes` shows it.

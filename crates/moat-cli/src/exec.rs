@@ -111,6 +111,7 @@ async fn stream_process(
                         }
                         return Ok(exit_code(&status));
                     }
+                    ProcessEvent::Error { message } => anyhow::bail!("{message}"),
                 }
             }
             _ = sigint.recv() => {

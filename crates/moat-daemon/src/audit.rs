@@ -252,6 +252,59 @@ impl Audit {
         }
     }
 
+    /// Writes a `sandbox.ended` entry for each sandbox that ends without being asked to (its
+    /// timeout, its agent lost, the OOM killer), with the reason; forever.
+    pub async fn record_ends(
+        self: Arc<Self>,
+        mut ends: tokio::sync::broadcast::Receiver<crate::sandboxes::Ended>,
+    ) {
+        use tokio::sync::broadcast::error::RecvError;
+        loop {
+            let (id, detail) = match ends.recv().await {
+                Ok(e) => (
+                    Some(e.id),
+                    json!({"reason": e.reason, "message": e.message}),
+                ),
+                Err(RecvError::Lagged(n)) => (
+                    None,
+                    json!({"reason": "unknown", "message": format!("{n} sandbox ends were not recorded (too many at once)")}),
+                ),
+                Err(RecvError::Closed) => return,
+            };
+            self.record(NewEntry {
+                at_ms: now_ms(),
+                actor: DAEMON.into(),
+                action: "sandbox.ended".into(),
+                sandbox_id: id,
+                status: None,
+                detail,
+            })
+            .await;
+        }
+    }
+
+    /// Why sandbox `id` ended, when it ended without being asked to: (when, reason, message).
+    pub async fn end_of(&self, id: &str) -> Option<(i64, String, String)> {
+        self.flush().await;
+        let db = self.db.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            db.with_conn(|c| {
+                c.query_row(
+                    "SELECT at_ms, json_extract(detail, '$.reason'), json_extract(detail, '$.message')
+                     FROM audit WHERE sandbox_id = ?1 AND action = 'sandbox.ended'
+                     ORDER BY id DESC LIMIT 1",
+                    params![id],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+            })
+            .ok()
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
     /// Polls `id` for command starts and exits from now on, until it has no running command.
     pub fn watch(&self, id: &str) {
         if let Ok(mut w) = self.watched.lock() {

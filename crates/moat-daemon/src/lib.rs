@@ -109,6 +109,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         Arc::new(layers::LayerStore::new(args.data_dir.join("layers"))?),
         tiers,
     );
+    tokio::spawn(audit.clone().record_ends(services.sandboxes.ends()));
     services.recover().await.context("recover sandboxes")?;
     tokio::spawn(
         netlog

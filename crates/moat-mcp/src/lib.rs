@@ -268,6 +268,7 @@ impl MoatMcp {
         };
         let (mut stdout, mut stderr, mut exit) = (String::new(), String::new(), None);
         let mut dropped = 0u64;
+        let mut broke = None;
         while let Some(ev) = events.next().await {
             match ev {
                 Ok(ProcessEvent::Stdout(c)) | Ok(ProcessEvent::Pty(c)) => {
@@ -283,12 +284,16 @@ impl MoatMcp {
                 Ok(ProcessEvent::Dropped { bytes }) => dropped += bytes,
                 Ok(ProcessEvent::Exit(st)) => exit = Some(st),
                 Ok(ProcessEvent::Start { .. }) => {}
+                Ok(ProcessEvent::Error { message }) => broke = Some(message),
                 Err(e) => return api_error(e),
             }
         }
         let Some(st) = exit else {
             return CallToolResult::error(vec![Content::text(format!(
-                "error: the event stream ended without an exit status\nstdout:\n{}\nstderr:\n{}",
+                "error: {}\nstdout:\n{}\nstderr:\n{}",
+                broke
+                    .as_deref()
+                    .unwrap_or("the event stream ended without an exit status"),
                 truncated(&stdout, MAX_TEXT_BYTES),
                 truncated(&stderr, MAX_TEXT_BYTES)
             ))]);

@@ -26,9 +26,7 @@ pub async fn run(
     JsonBody(req): JsonBody<RunCodeRequest>,
 ) -> ApiResult<Response> {
     let agent = st.sandboxes.agent(&id).await?;
-    let ctx = code::prepare(&agent, &id, &req)
-        .await
-        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
+    let ctx = in_sandbox(&st, &id, code::prepare(&agent, &id, &req).await).await?;
     let (tx, rx) = mpsc::channel::<CodeEvent>(256);
     // The cell runs to its end (or timeout) even if the client goes away.
     tokio::spawn(code::run(agent, id, ctx, req, tx));
@@ -46,9 +44,8 @@ pub async fn create_context(
 ) -> ApiResult<(StatusCode, Json<CodeContext>)> {
     let agent = st.sandboxes.agent(&id).await?;
     let ctx_id = format!("ctx_{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
-    let ctx = code::start(&agent, &ctx_id, req.language.unwrap_or_default(), req.cwd)
-        .await
-        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
+    let started = code::start(&agent, &ctx_id, req.language.unwrap_or_default(), req.cwd).await;
+    let ctx = in_sandbox(&st, &id, started).await?;
     Ok((StatusCode::CREATED, Json(ctx)))
 }
 
@@ -61,9 +58,7 @@ pub async fn list_contexts(
 ) -> ApiResult<Json<CodeContextList>> {
     let agent = st.sandboxes.agent(&id).await?;
     Ok(Json(CodeContextList {
-        contexts: code::list(&agent)
-            .await
-            .map_err(|e| st.sandboxes.agent_error(&id, e))?,
+        contexts: in_sandbox(&st, &id, code::list(&agent).await).await?,
     }))
 }
 
@@ -80,11 +75,7 @@ pub async fn restart_context(
         let ctx = code::get(&agent, &context, "context").await?;
         code::restart(&agent, &id, &ctx).await
     };
-    Ok(Json(
-        restarted
-            .await
-            .map_err(|e| st.sandboxes.agent_error(&id, e))?,
-    ))
+    Ok(Json(in_sandbox(&st, &id, restarted.await).await?))
 }
 
 /// Delete a context and its kernel.
@@ -100,8 +91,19 @@ pub async fn delete_context(
         let ctx = code::get(&agent, &context, "context").await?;
         code::delete(&agent, &id, &ctx).await
     };
-    deleted
-        .await
-        .map_err(|e| st.sandboxes.agent_error(&id, e))?;
+    in_sandbox(&st, &id, deleted.await).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// `r`, with an agent that did not answer judged by what became of sandbox `id` (a sandbox that
+/// ended or is being paused is the client's 404 or 409, not the host's 500).
+async fn in_sandbox<T>(
+    st: &super::AppState,
+    id: &str,
+    r: Result<T, crate::error::Error>,
+) -> ApiResult<T> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(e) => Err(st.sandboxes.agent_error(id, e).await.into()),
+    }
 }

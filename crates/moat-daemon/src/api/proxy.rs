@@ -48,10 +48,10 @@ async fn forward<E: Endpoint>(
         }
         _ => body,
     };
-    let resp = agent
-        .send(&call, ct.as_deref(), body)
-        .await
-        .map_err(|e| ApiError::from(st.sandboxes.agent_failed(id, e)))?;
+    let resp = match agent.send(&call, ct.as_deref(), body).await {
+        Ok(r) => r,
+        Err(e) => return Err(st.sandboxes.agent_failed(id, e).await.into()),
+    };
     let (parts, incoming) = resp.into_parts();
     let mut out = Response::builder().status(parts.status);
     for h in [http::header::CONTENT_TYPE, http::header::CONTENT_LENGTH] {
@@ -59,7 +59,116 @@ async fn forward<E: Endpoint>(
             out = out.header(h, v);
         }
     }
-    out.body(Body::new(incoming)).map_err(ApiError::internal)
+    let events = matches!(E::ROUTE.spec().answer, Payload::Ndjson(_))
+        && parts.status == http::StatusCode::OK;
+    let body = if events {
+        ended_events(id.to_string(), incoming)
+    } else {
+        Body::new(incoming)
+    };
+    out.body(body).map_err(ApiError::internal)
+}
+
+/// A process's event stream as the agent sends it, ended by an `error` event when it breaks (or
+/// ends) before the process's `exit`: a client reading the stream learns that the process's end is
+/// unknown and why, instead of a stream that stops.
+fn ended_events(id: String, incoming: hyper::body::Incoming) -> Body {
+    use futures::StreamExt;
+    let frames = http_body_util::BodyStream::new(incoming);
+    let state = (frames, LastLine::default(), false);
+    let stream = futures::stream::unfold(state, move |(mut frames, mut last, done)| {
+        let id = id.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let broke = match frames.next().await {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        last.feed(&data);
+                        return Some((
+                            Ok::<_, std::convert::Infallible>(data),
+                            (frames, last, false),
+                        ));
+                    }
+                    Err(_) => return Some((Ok(bytes::Bytes::new()), (frames, last, false))),
+                },
+                Some(Err(e)) => format!("the connection to sandbox {id}'s agent broke: {e}"),
+                None if last.exit => return None,
+                None => format!("sandbox {id}'s agent ended the stream"),
+            };
+            let ev = ProcessEvent::Error {
+                message: format!("{broke} before the process's exit was known (the sandbox may have ended: GET /v1/sandboxes/{id})"),
+            };
+            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+            if !last.at_line_start() {
+                line.insert(0, b'\n');
+            }
+            line.push(b'\n');
+            Some((Ok(bytes::Bytes::from(line)), (frames, last, true)))
+        }
+    });
+    Body::from_stream(stream)
+}
+
+/// Whether the last whole line of an NDJSON event stream was the `exit` event (each event's
+/// `type` is its first key).
+#[derive(Default)]
+struct LastLine {
+    /// The first bytes of the line being read.
+    head: Vec<u8>,
+    /// Bytes of the line being read so far.
+    len: usize,
+    exit: bool,
+}
+
+impl LastLine {
+    const EXIT: &'static [u8] = br#"{"type":"exit""#;
+
+    fn feed(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let (part, ended) = match data.iter().position(|b| *b == b'\n') {
+                Some(i) => (&data[..i], Some(i)),
+                None => (data, None),
+            };
+            let room = Self::EXIT.len().saturating_sub(self.head.len());
+            self.head.extend_from_slice(&part[..part.len().min(room)]);
+            self.len += part.len();
+            match ended {
+                Some(i) => {
+                    if self.len > 0 {
+                        self.exit = self.head.starts_with(Self::EXIT);
+                    }
+                    self.head.clear();
+                    self.len = 0;
+                    data = &data[i + 1..];
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn at_line_start(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exit_line_is_seen_across_chunks() {
+        let mut l = LastLine::default();
+        l.feed(b"{\"type\":\"start\",\"pid\":1}\n{\"type\":\"ex");
+        assert!(!l.exit && !l.at_line_start());
+        l.feed(b"it\",\"exit_code\":0}");
+        assert!(!l.exit, "a line counts once it is whole");
+        l.feed(b"\n");
+        assert!(l.exit && l.at_line_start());
+        l.feed(b"{\"type\":\"stdout\",\"data\":\"x\"}\n");
+        assert!(!l.exit);
+    }
 }
 
 /// A query string parsed as `T` (400 naming the field).

@@ -68,11 +68,29 @@ pub async fn list(State(st): St, req: Request) -> ApiResult<Json<SandboxList>> {
     }))
 }
 
-/// Get one sandbox.
+/// Get one sandbox. One that ended without being asked to (its timeout, its agent lost, the OOM
+/// killer) is a 404 whose message says when and why (the audit log's `sandbox.ended`).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = Sandbox), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Sandbox>> {
-    Ok(Json(st.sandboxes.get(&id)?))
+    match st.sandboxes.get(&id) {
+        Err(crate::error::Error::NotFound { .. }) if crate::ids::valid_sandbox_id(&id) => {
+            Err(gone(&st, &id).await)
+        }
+        r => Ok(Json(r?)),
+    }
+}
+
+/// The 404 of a sandbox that is not there: with when and why it ended, when the log knows.
+pub(crate) async fn gone(st: &super::AppState, id: &str) -> ApiError {
+    let msg = match st.audit.end_of(id).await {
+        Some((at_ms, reason, message)) => format!(
+            "sandbox {id} ended at {} ({reason}): {message}",
+            crate::clock::rfc3339(at_ms)
+        ),
+        None => format!("sandbox {id} not found"),
+    };
+    ApiError::not_found("id", msg)
 }
 
 /// Kill a sandbox and remove everything it had.

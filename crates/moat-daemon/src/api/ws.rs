@@ -48,7 +48,7 @@ pub async fn process_ws(
         Err(AgentError::Refused { status, body }) => {
             return Ok((status, axum::Json(body)).into_response());
         }
-        Err(e) => return Err(st.sandboxes.agent_failed(&id, e).into()),
+        Err(e) => return Err(st.sandboxes.agent_failed(&id, e).await.into()),
     };
     let events = resp.into_body();
     Ok(ws
@@ -91,6 +91,16 @@ async fn bridge(
                 }
             }
         }
+        // The agent's stream ended (or broke) before the process's exit: say so, as the REST
+        // stream does, rather than leave the client waiting.
+        let ev = ProcessEvent::Error {
+            message: "the sandbox's agent ended the stream before the process's exit was known (the sandbox may have ended)".into(),
+        };
+        let _ = out_tx
+            .send(Message::Text(
+                serde_json::to_string(&ev).unwrap_or_default().into(),
+            ))
+            .await;
     });
 
     // Stdin is one long streaming request to the agent, opened on the first input.
@@ -101,7 +111,8 @@ async fn bridge(
         tokio::select! {
             msg = out_rx.recv() => {
                 let Some(msg) = msg else { break };
-                let is_exit = matches!(&msg, Message::Text(t) if t.contains("\"type\":\"exit\""));
+                let is_exit = matches!(&msg, Message::Text(t)
+                    if t.starts_with("{\"type\":\"exit\"") || t.starts_with("{\"type\":\"error\""));
                 if sink.send(msg).await.is_err() {
                     break;
                 }

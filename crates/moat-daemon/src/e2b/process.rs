@@ -197,6 +197,11 @@ fn stream_events(
                         let _ = tx.send(connect::end(None)).await;
                         return;
                     }
+                    ProcessEvent::Error { message } => {
+                        let err = ConnectError::new(Code::Unavailable, message.clone());
+                        let _ = tx.send(connect::end(Some(&err))).await;
+                        return;
+                    }
                     ProcessEvent::Start { .. } | ProcessEvent::Dropped { .. } => None,
                 };
                 if let Some(out) = out {

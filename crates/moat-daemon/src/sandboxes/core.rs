@@ -80,6 +80,16 @@ pub struct Bounds {
     pub disk_mb: u64,
 }
 
+/// A sandbox that ended without being asked to (its timeout, its agent lost, the OOM killer): what
+/// the layers above record as its end (the audit log's `sandbox.ended`).
+#[derive(Debug, Clone)]
+pub struct Ended {
+    pub id: String,
+    /// `timeout`, `idle`, `agent_lost` or `oom`.
+    pub reason: &'static str,
+    pub message: String,
+}
+
 pub struct Core {
     pub(super) settings: Settings,
     pub(super) db: Arc<Db>,
@@ -103,6 +113,8 @@ pub struct Core {
     /// Sandboxes whose instance is being started now (a create, a reset, a resume over files): a
     /// row `starting` that is not here has no owner and is removed.
     starting: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Sandboxes that ended without being asked to, for whoever listens ([`Core::ends`]).
+    ends: tokio::sync::broadcast::Sender<Ended>,
 }
 
 /// How long a start in flight may keep a sandbox `starting` before a delete stops waiting for it.
@@ -238,7 +250,22 @@ impl Core {
             op_locks: std::sync::Mutex::new(HashMap::new()),
             layer_lock: std::sync::Mutex::new(()),
             starting: std::sync::Mutex::new(std::collections::HashSet::new()),
+            ends: tokio::sync::broadcast::channel(4096).0,
         }
+    }
+
+    /// Every sandbox that ends without being asked to from now on.
+    pub fn ends(&self) -> tokio::sync::broadcast::Receiver<Ended> {
+        self.ends.subscribe()
+    }
+
+    /// Tells the listeners that sandbox `id` ended, and why.
+    pub(super) fn ended(&self, id: &str, reason: &'static str, message: String) {
+        let _ = self.ends.send(Ended {
+            id: id.to_string(),
+            reason,
+            message,
+        });
     }
 
     /// A sandbox as the API shows it (with its network, which the tier knows).
@@ -420,27 +447,41 @@ impl Core {
     /// refusal as it is; otherwise, a sandbox that is gone, no longer running, or in the middle of a
     /// pause, reset or snapshot (the request raced it) is the client's 404 or 409, not a failure of
     /// the host; only a running sandbox whose agent breaks is one.
-    pub fn agent_failed(&self, id: &str, e: crate::agent::AgentError) -> Error {
+    /// A running sandbox whose process is gone (its agent died, the OOM killer ended it) has ended
+    /// whatever its row says for the moment (the reaper, woken by the exit, is removing it): that is
+    /// said, as a conflict, not reported as the host's failure.
+    pub async fn agent_failed(&self, id: &str, e: crate::agent::AgentError) -> Error {
         use crate::agent::AgentError;
         if matches!(e, AgentError::Refused { .. } | AgentError::Call(_)) {
             return Error::Agent(e);
         }
-        match self.db.get_sandbox(id) {
-            Ok(None) => Error::not_found("id", format!("sandbox {id} not found")),
+        let rec = match self.db.get_sandbox(id) {
+            Ok(None) => return Error::not_found("id", format!("sandbox {id} not found")),
             Ok(Some(r)) if r.state != SandboxState::Running => {
-                Error::conflict(format!("sandbox {id} is {}", r.state.as_str()))
+                return Error::conflict(format!("sandbox {id} is {}", r.state.as_str()))
             }
-            Ok(Some(_)) if self.op_lock(id).try_lock().is_err() => Error::conflict(format!(
-                "sandbox {id} is being paused, reset or snapshotted; try again when that is done"
-            )),
-            _ => Error::Agent(e),
+            Ok(Some(_)) if self.op_lock(id).try_lock().is_err() => {
+                return Error::conflict(format!(
+                    "sandbox {id} is being paused, reset or snapshotted; try again when that is done"
+                ))
+            }
+            Ok(Some(r)) => r,
+            Err(_) => return Error::Agent(e),
+        };
+        if let (Some(state), Ok(tier)) = (rec.tier_state.as_ref(), self.tier(rec.isolation)) {
+            if tier.is_alive(id, state).await == crate::tier::Liveness::Gone {
+                return Error::conflict(format!(
+                    "sandbox {id} has ended: its agent is gone ({e}); it is being removed"
+                ));
+            }
         }
+        Error::Agent(e)
     }
 
     /// [`Core::agent_failed`] for an error that may have come from sandbox `id`'s agent.
-    pub fn agent_error(&self, id: &str, e: Error) -> Error {
+    pub async fn agent_error(&self, id: &str, e: Error) -> Error {
         match e {
-            Error::Agent(a) => self.agent_failed(id, a),
+            Error::Agent(a) => self.agent_failed(id, a).await,
             e => e,
         }
     }

@@ -41,7 +41,7 @@ mod tests;
 mod validate;
 
 pub use builds::{Builds, LiveBuild, BUILD_LABEL};
-pub use core::Bounds;
+pub use core::{Bounds, Ended};
 pub use lifecycle::{Lifecycle, ListFilter};
 pub use pool::Pool;
 pub use reaper::Reaper;

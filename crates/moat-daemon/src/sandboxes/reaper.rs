@@ -64,16 +64,17 @@ impl Reaper {
     pub(super) async fn expire(&self) {
         let now = now_ms();
         let ids = match (self.sandboxes.db.expired(now), self.sandboxes.db.idle(now)) {
-            (Ok(mut ids), Ok(idle)) => {
-                ids.extend(idle);
-                ids
-            }
+            (Ok(expired), Ok(idle)) => expired
+                .into_iter()
+                .map(|id| (id, "timeout"))
+                .chain(idle.into_iter().map(|id| (id, "idle")))
+                .collect::<Vec<_>>(),
             (Err(e), _) | (_, Err(e)) => {
                 tracing::error!("expiry query: {e:#}");
                 return;
             }
         };
-        for id in ids {
+        for (id, reason) in ids {
             if let Ok(Some(rec)) = self.sandboxes.db.get_sandbox(&id) {
                 if rec.state == SandboxState::Starting {
                     continue;
@@ -86,8 +87,17 @@ impl Reaper {
                     continue;
                 }
                 tracing::info!(sandbox = %id, "timeout or idle timeout passed");
-                if let Err(e) = self.sandboxes.destroy(rec).await {
-                    tracing::error!(sandbox = %id, "expire: {e:#}");
+                match self.sandboxes.destroy(rec).await {
+                    Ok(()) => self.sandboxes.ended(
+                        &id,
+                        reason,
+                        if reason == "idle" {
+                            "its idle timeout passed without an API request for it".into()
+                        } else {
+                            "its timeout passed".into()
+                        },
+                    ),
+                    Err(e) => tracing::error!(sandbox = %id, "expire: {e:#}"),
                 }
             }
         }
@@ -174,13 +184,19 @@ impl Reaper {
             .await
             .map(|u| u.oom_kills)
             .unwrap_or(0);
-        if oom_kills > 0 {
+        let (reason, message) = if oom_kills > 0 {
             tracing::warn!(sandbox = %id, oom_kills, "it ran out of memory: the host's OOM killer ended it; removing the sandbox");
+            ("oom", format!("it reached its memory limit ({} MiB) and the kernel's OOM killer ended it ({oom_kills} kill(s))", rec.limits.memory_mb))
         } else {
             tracing::warn!(sandbox = %id, "its PID 1 is gone; removing the sandbox");
-        }
-        if let Err(e) = self.sandboxes.destroy(rec).await {
-            tracing::error!("{e:#}");
+            (
+                "agent_lost",
+                "its agent (the sandbox's first process) exited or was killed".to_string(),
+            )
+        };
+        match self.sandboxes.destroy(rec).await {
+            Ok(()) => self.sandboxes.ended(id, reason, message),
+            Err(e) => tracing::error!("{e:#}"),
         }
     }
 }

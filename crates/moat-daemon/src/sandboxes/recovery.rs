@@ -88,8 +88,14 @@ impl Services {
                 }
             }
             tracing::warn!(sandbox = %rec.id, state = rec.state.as_str(), "not running any more; removing");
-            if let Err(e) = core.destroy(rec).await {
-                tracing::error!("{e:#}");
+            let id = rec.id.clone();
+            match core.destroy(rec).await {
+                Ok(()) => core.ended(
+                    &id,
+                    "agent_lost",
+                    "its processes ended while the daemon was down (a host restart, or its agent was killed)".into(),
+                ),
+                Err(e) => tracing::error!("{e:#}"),
             }
         }
         // One host network serves every tier (one nft table, one address space): each tier gets the

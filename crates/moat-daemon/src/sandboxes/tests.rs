@@ -409,6 +409,7 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
             .await
             .unwrap();
     let kept = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let mut ends = w.s.sandboxes.ends();
     // Nothing is due yet.
     w.s.reaper.expire().await;
     assert_eq!(w.tier.live().len(), 4);
@@ -430,6 +431,16 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
         v.sort();
         v
     });
+    // Each end is told with its reason; a pause is no end.
+    let mut told = [ends.try_recv().unwrap(), ends.try_recv().unwrap()];
+    told.sort_by_key(|e| e.reason);
+    assert_eq!(
+        told.iter()
+            .map(|e| (e.id.as_str(), e.reason))
+            .collect::<Vec<_>>(),
+        [(idle.id.as_str(), "idle"), (killed.id.as_str(), "timeout")]
+    );
+    assert!(ends.try_recv().is_err());
 }
 
 #[tokio::test]
@@ -528,10 +539,16 @@ async fn a_restarted_daemon_readopts_live_sandboxes_and_removes_the_rest() {
 async fn a_sandbox_whose_pid_1_died_is_removed() {
     let w = world();
     let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
-    // Its PID 1 dies behind the daemon's back: the reaper removes it, row and all.
+    // Its PID 1 dies behind the daemon's back: the reaper removes it, row and all, and says why.
+    let mut ends = w.s.sandboxes.ends();
     w.tier.kill(&sbx.id);
     w.s.reaper.remove_dead().await;
     assert!(w.db.get_sandbox(&sbx.id).unwrap().is_none());
+    let end = ends.try_recv().unwrap();
+    assert_eq!(
+        (end.id.as_str(), end.reason),
+        (sbx.id.as_str(), "agent_lost")
+    );
     assert!(matches!(
         w.s.sandboxes.delete(&sbx.id).await,
         Err(Error::NotFound { .. })

@@ -217,6 +217,7 @@ class OutputCollector:
         self.pid: Optional[int] = None
         self.tag: Optional[str] = None
         self.exit = None
+        self.broken: Optional[str] = None
 
     def feed(self, ev: ProcessEvent) -> None:
         if ev.type == "start":
@@ -233,6 +234,8 @@ class OutputCollector:
                 self.on_stderr(ev.text)
         elif ev.type == "exit":
             self.exit = ev.exit
+        elif ev.type == "error":
+            self.broken = ev.message
 
     def result(self) -> CommandResult:
         ex = self.exit
@@ -240,7 +243,7 @@ class OutputCollector:
                             stderr=self.stderr.decode("utf-8", "replace"),
                             exit_code=ex.exit_code if ex else None, signal=ex.signal if ex else None,
                             timed_out=ex.timed_out if ex else False,
-                            error=ex.error if ex else "the event stream ended before the process exited")
+                            error=ex.error if ex else (self.broken or "the event stream ended before the process exited"))
         return res
 
 

@@ -319,7 +319,9 @@ class ProcessEvent:
     """One event of a process stream.
 
     ``type`` is ``start`` (``pid``, ``tag``), ``stdout``/``stderr``/``pty`` (``data`` bytes, ``text``),
-    ``dropped`` (``dropped_bytes`` lost before this reader attached) or ``exit`` (``exit``).
+    ``dropped`` (``dropped_bytes`` lost before this reader attached), ``exit`` (``exit``), or, instead of
+    ``exit`` when the stream broke before the process's end was known (its sandbox ended), ``error``
+    (``message``).
     """
 
     type: str
@@ -329,6 +331,7 @@ class ProcessEvent:
     dropped_bytes: int = 0
     exit: Optional[ExitStatus] = None
     timestamp_us: int = 0
+    message: Optional[str] = None
     _text: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -351,6 +354,8 @@ class ProcessEvent:
             return cls(type=t, dropped_bytes=d.get("bytes", 0))
         if t == "exit":
             return cls(type=t, exit=ExitStatus.from_json(d))
+        if t == "error":
+            return cls(type=t, message=d.get("message"))
         return cls(type=t)
 
 
