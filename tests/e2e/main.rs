@@ -7,6 +7,7 @@ mod audit;
 mod bad_input;
 mod builds;
 mod cli;
+mod density;
 mod code;
 mod commands;
 mod escape;
