@@ -113,6 +113,10 @@ async fn hundreds_of_idle_sandboxes_all_answer() {
     while let Some(r) = deletes.join_next().await {
         r.unwrap().unwrap();
     }
-    assert!(c.list_sandboxes(&Default::default()).await.unwrap().is_empty());
+    assert!(c
+        .list_sandboxes(&Default::default())
+        .await
+        .unwrap()
+        .is_empty());
     d.stop();
 }
