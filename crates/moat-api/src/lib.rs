@@ -31,7 +31,8 @@ pub use snapshot::*;
 pub use template::*;
 
 /// Version of the host↔agent protocol; the daemon refuses an agent that reports another one.
-pub const AGENT_PROTOCOL_VERSION: u32 = 2;
+/// 3: the process journal (`GET /journal`).
+pub const AGENT_PROTOCOL_VERSION: u32 = 3;
 
 /// Content type of streamed event responses: one JSON object per line.
 pub const NDJSON: &str = "application/x-ndjson";
