@@ -6,7 +6,7 @@
 //! tells an in-guest effect from an escape. `MOAT_ESCAPE_ONLY=id,id` runs only those cases (and
 //! writes no report); `MOAT_ESCAPE_DUMP=DIR` keeps every case's output.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -230,10 +230,85 @@ fn judge(case: &Case, vars: &Vars, out: &Output) -> Verdict {
 /// it names (`host_unchanged`) read the same, the host file {SECRET} is intact, {WRITE_PATH} was not
 /// made, the daemon answers, and on the microvm tier the sandbox's VMM is the same unprivileged QEMU
 /// process as before (same pid and credentials, no capabilities, `no_new_privs`, seccomp) and alone
-/// in its cgroup: an attack that acts on its own guest kernel leaves all of that as it was.
+/// in its cgroup: an attack that acts on its own guest kernel leaves all of that as it was. On the
+/// gvisor tier, likewise, the Sentry is the same unprivileged process (not root, `no_new_privs`,
+/// seccomp), every host process of the sandbox is under `no_new_privs` and seccomp, and none is in a
+/// user namespace that was not there before the case.
 struct HostState {
     files: Vec<(String, Option<Vec<u8>>)>,
     vmm: Option<Result<Vmm, String>>,
+    sentry: Option<Result<Sentry, String>>,
+}
+
+/// A gVisor sandbox as the host sees it: its Sentry (`runsc-sandbox`) and the user namespaces its
+/// processes (Sentry, gofer, syscall stubs) live in.
+#[derive(Debug, PartialEq)]
+struct Sentry {
+    pid: u32,
+    /// The credential lines of the Sentry's /proc/PID/status.
+    status: Vec<String>,
+    userns: BTreeSet<String>,
+}
+
+fn status_lines(pid: u32) -> Option<Vec<String>> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    Some(
+        st.lines()
+            .filter(|l| {
+                ["Uid:", "Gid:", "Groups:", "Cap", "NoNewPrivs:", "Seccomp:"]
+                    .iter()
+                    .any(|k| l.starts_with(k))
+            })
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect(),
+    )
+}
+
+/// The sandbox's Sentry on the host (gvisor tier only), checked to run unprivileged: every host
+/// process of the sandbox is under `no_new_privs` and a seccomp filter, the Sentry and its stubs as a
+/// uid other than root. A user namespace, a mount or a syscall that an attack makes inside is the
+/// Sentry's own emulation; what the host would show of one that escaped is a process of the
+/// sandbox's cgroup in a user namespace that was not there before, a new Sentry, or credentials
+/// that changed — what `changes` compares.
+fn sentry_of(sbx: &str) -> Result<Sentry, String> {
+    let pids = cgroup_procs(sbx);
+    let mut sentry = None;
+    let mut userns = BTreeSet::new();
+    for pid in pids {
+        let Some(status) = status_lines(pid) else {
+            continue; // gone meanwhile (a stub whose address space ended)
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let has = |want: &str| status.iter().any(|l| l == want);
+        if !has("NoNewPrivs: 1") || !has("Seccomp: 2") {
+            return Err(format!("host process {pid} of the sandbox runs without no_new_privs and seccomp: {status:?}"));
+        }
+        let gofer = cmdline.starts_with(b"runsc-gofer");
+        let root = status
+            .iter()
+            .filter(|l| l.starts_with("Uid:"))
+            .any(|l| l.split_whitespace().skip(1).any(|id| id == "0"));
+        if root && !gofer {
+            return Err(format!(
+                "host process {pid} of the sandbox runs as root: {status:?}"
+            ));
+        }
+        if let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/user")) {
+            userns.insert(ns.display().to_string());
+        }
+        if cmdline.starts_with(b"runsc-sandbox") {
+            if sentry.is_some() {
+                return Err("two Sentries in one sandbox".into());
+            }
+            sentry = Some((pid, status));
+        }
+    }
+    let (pid, status) = sentry.ok_or("no runsc-sandbox in the sandbox's cgroup")?;
+    Ok(Sentry {
+        pid,
+        status,
+        userns,
+    })
 }
 
 #[derive(Debug, PartialEq)]
@@ -297,6 +372,7 @@ impl HostState {
                 })
                 .collect(),
             vmm: (isolation() == moat_api::Isolation::Microvm).then(|| vmm_of(sbx)),
+            sentry: (isolation() == moat_api::Isolation::Gvisor).then(|| sentry_of(sbx)),
         }
     }
 
@@ -337,6 +413,35 @@ impl HostState {
                     match vmm_of(sbx) {
                         Ok(after) if &after == before => {}
                         Ok(after) => bad.push(format!("the VMM changed: {before:?} -> {after:?}")),
+                        Err(e) => bad.push(format!("after the case: {e}")),
+                    }
+                }
+            }
+        }
+        match &self.sentry {
+            None => {}
+            Some(Err(e)) => bad.push(format!("before the case: {e}")),
+            Some(Ok(before)) => {
+                if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
+                    if std::path::Path::new(&format!("/proc/{}", before.pid)).exists() {
+                        bad.push(format!(
+                            "the Sentry (pid {}) outlived its sandbox",
+                            before.pid
+                        ));
+                    }
+                } else {
+                    match sentry_of(sbx) {
+                        Ok(after) => {
+                            if (after.pid, &after.status) != (before.pid, &before.status) {
+                                bad.push(format!("the Sentry changed: {before:?} -> {after:?}"));
+                            }
+                            let new: Vec<_> = after.userns.difference(&before.userns).collect();
+                            if !new.is_empty() {
+                                bad.push(format!(
+                                    "a host process of the sandbox is in a user namespace made during the case: {new:?}"
+                                ));
+                            }
+                        }
                         Err(e) => bad.push(format!("after the case: {e}")),
                     }
                 }
