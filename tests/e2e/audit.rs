@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use moat_api::{
-    AuditEntry, AuditQuery, CreateSandboxRequest, RegisterTemplateRequest, StartProcessRequest,
-};
+use futures::StreamExt;
+
+use moat_api::{AuditEntry, AuditQuery, CreateSandboxRequest, StartProcessRequest};
 
 use crate::harness::*;
 
@@ -20,18 +20,7 @@ fn pos(entries: &[AuditEntry], f: impl Fn(&AuditEntry) -> bool, what: &str) -> u
 #[tokio::test(flavor = "multi_thread")]
 async fn audit_log_records_a_session() {
     let tmp = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(tmp.path());
-    let d = Daemon::start_with(
-        &tmp.path().join("data"),
-        &["--default-template", "bb", "--pool-size", "0"],
-    );
-    let c = d.client();
-    c.register_template(&RegisterTemplateRequest {
-        name: "bb".into(),
-        path: rootfs.display().to_string(),
-    })
-    .await
-    .unwrap();
+    let (d, c) = busybox_daemon(tmp.path(), &[]).await;
     let s = c
         .create_sandbox(&CreateSandboxRequest {
             metadata: env(&[("who", "audit-test")]),
@@ -265,18 +254,7 @@ async fn audit_log_records_a_session() {
 #[tokio::test(flavor = "multi_thread")]
 async fn audit_log_keeps_every_short_command() {
     let tmp = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(tmp.path());
-    let d = Daemon::start_with(
-        &tmp.path().join("data"),
-        &["--default-template", "bb", "--pool-size", "0"],
-    );
-    let c = d.client();
-    c.register_template(&RegisterTemplateRequest {
-        name: "bb".into(),
-        path: rootfs.display().to_string(),
-    })
-    .await
-    .unwrap();
+    let (d, c) = busybox_daemon(tmp.path(), &[]).await;
     let s = c
         .create_sandbox(&CreateSandboxRequest {
             timeout: Some(600),
@@ -292,34 +270,22 @@ async fn audit_log_keeps_every_short_command() {
         moat_api::Isolation::Gvisor => 1000,
         _ => 300,
     };
-    let mut pids = std::collections::BTreeMap::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let c = c.clone();
-        let id = id.clone();
-        tasks.spawn(async move {
-            let p = c
-                .start_process_background(
-                    &id,
-                    &StartProcessRequest {
-                        cmd: Some(vec!["sh".into(), "-c".into(), format!("exit {}", i % 7)]),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .unwrap();
-            (p.pid, p.started_at_us, i)
-        });
-        // At most 8 in flight.
-        while tasks.len() >= 8 {
-            let (pid, at, i) = tasks.join_next().await.unwrap().unwrap();
-            pids.insert((pid, at), i);
-        }
-    }
-    while let Some(r) = tasks.join_next().await {
-        let (pid, at, i) = r.unwrap();
-        pids.insert((pid, at), i);
-    }
+    // At most 8 in flight.
+    let pids: std::collections::BTreeMap<(u32, u64), usize> = futures::stream::iter(0..n)
+        .map(|i| {
+            let (c, id) = (c.clone(), id.clone());
+            async move {
+                let req = StartProcessRequest {
+                    cmd: Some(vec!["sh".into(), "-c".into(), format!("exit {}", i % 7)]),
+                    ..Default::default()
+                };
+                let p = c.start_process_background(&id, &req).await.unwrap();
+                ((p.pid, p.started_at_us), i)
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
     assert_eq!(pids.len(), n);
     let q = |action: &str| AuditQuery {
         action: Some(action.into()),

@@ -8,9 +8,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use moat_api::{
-    CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, RegisterTemplateRequest, SandboxState,
-};
+use moat_api::{CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, SandboxState};
 
 use crate::harness::*;
 
@@ -28,6 +26,16 @@ impl Rng {
 
 const UPLOAD_BYTES: usize = 4 << 20;
 
+/// The names in directory `dir` (the sandboxes a tier's directory holds).
+fn names_in(dir: &std::path::Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn kill9_at_random_points_loses_nothing_answered_and_leaks_nothing() {
     let seed = std::env::var("MOAT_CHAOS_SEED")
@@ -42,16 +50,8 @@ async fn kill9_at_random_points_loses_nothing_answered_and_leaks_nothing() {
         _ => 2,
     };
     let tmp = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(tmp.path());
-    let data = tmp.path().join("data");
-    let d = Daemon::start_with(&data, &["--default-template", "bb", "--pool-size", "0"]);
-    let c = d.client();
-    c.register_template(&RegisterTemplateRequest {
-        name: "bb".into(),
-        path: rootfs.display().to_string(),
-    })
-    .await
-    .unwrap();
+    let (d, c) = busybox_daemon(tmp.path(), &[]).await;
+    let data = d.data_dir.clone();
     let keep = c
         .create_sandbox(&CreateSandboxRequest {
             timeout: Some(1800),
@@ -145,9 +145,7 @@ async fn kill9_at_random_points_loses_nothing_answered_and_leaks_nothing() {
         tokio::time::sleep(delay).await;
         d.kill9();
         // What the host holds now: every sandbox made or half-made.
-        for e in std::fs::read_dir(&tier_dir).into_iter().flatten().flatten() {
-            ever.insert(e.file_name().to_string_lossy().into_owned());
-        }
+        ever.extend(names_in(&tier_dir));
         let mut answered_sandboxes = Vec::new();
         let mut answered_snapshots = Vec::new();
         let mut uploaded = false;
@@ -200,14 +198,9 @@ async fn kill9_at_random_points_loses_nothing_answered_and_leaks_nothing() {
         // Every sandbox listed answers (and `ls` equals what the host runs).
         let list = c.list_sandboxes(&Default::default()).await.unwrap();
         let listed: BTreeSet<String> = list.iter().map(|s| s.id.clone()).collect();
-        let on_host: BTreeSet<String> = std::fs::read_dir(&tier_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
         assert_eq!(
-            listed, on_host,
+            listed,
+            names_in(&tier_dir),
             "round {round}: listed and on the host differ"
         );
         for s in &list {

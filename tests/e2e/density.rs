@@ -5,7 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use moat_api::{CreateSandboxRequest, RegisterTemplateRequest};
+use futures::StreamExt;
+
+use moat_api::CreateSandboxRequest;
 
 use crate::harness::*;
 
@@ -33,46 +35,21 @@ async fn hundreds_of_idle_sandboxes_all_answer() {
         _ => 8,
     };
     let tmp = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(tmp.path());
-    let d = Daemon::start_with(
-        &tmp.path().join("data"),
-        &["--default-template", "bb", "--pool-size", "0"],
-    );
-    let c = d.client();
-    c.register_template(&RegisterTemplateRequest {
-        name: "bb".into(),
-        path: rootfs.display().to_string(),
-    })
-    .await
-    .unwrap();
+    let (d, c) = busybox_daemon(tmp.path(), &[]).await;
     let before = mem_available_kib();
-    let mut creates = Vec::with_capacity(n);
-    let mut ids = Vec::with_capacity(n);
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..n {
-        let c = c.clone();
-        tasks.spawn(async move {
+    let req = CreateSandboxRequest {
+        timeout: Some(1800),
+        ..Default::default()
+    };
+    let (ids, mut creates): (Vec<String>, Vec<Duration>) = futures::stream::iter(0..n)
+        .map(|_| async {
             let t = Instant::now();
-            let s = c
-                .create_sandbox(&CreateSandboxRequest {
-                    timeout: Some(1800),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
+            let s = c.create_sandbox(&req).await.unwrap();
             (s.id, t.elapsed())
-        });
-        while tasks.len() >= 8 {
-            let (id, t) = tasks.join_next().await.unwrap().unwrap();
-            ids.push(id);
-            creates.push(t);
-        }
-    }
-    while let Some(r) = tasks.join_next().await {
-        let (id, t) = r.unwrap();
-        ids.push(id);
-        creates.push(t);
-    }
+        })
+        .buffer_unordered(8)
+        .unzip()
+        .await;
     assert_eq!(ids.len(), n);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let host_kib = before.saturating_sub(mem_available_kib()) / n as u64;
@@ -102,17 +79,11 @@ async fn hundreds_of_idle_sandboxes_all_answer() {
         host_kib,
         cgroup_bytes / 1024 / n as u64,
     );
-    let mut deletes = tokio::task::JoinSet::new();
-    for id in ids {
-        let c = c.clone();
-        deletes.spawn(async move { c.delete_sandbox(&id).await });
-        while deletes.len() >= 8 {
-            deletes.join_next().await.unwrap().unwrap().unwrap();
-        }
-    }
-    while let Some(r) = deletes.join_next().await {
-        r.unwrap().unwrap();
-    }
+    futures::stream::iter(&ids)
+        .map(|id| c.delete_sandbox(id))
+        .buffer_unordered(8)
+        .for_each(|r| async move { r.unwrap() })
+        .await;
     assert!(c
         .list_sandboxes(&Default::default())
         .await

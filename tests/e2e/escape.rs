@@ -250,6 +250,7 @@ struct Sentry {
     userns: BTreeSet<String>,
 }
 
+/// The credential lines of host process `pid`'s /proc/PID/status, whitespace folded (None: gone).
 fn status_lines(pid: u32) -> Option<Vec<String>> {
     let st = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     Some(
@@ -333,16 +334,7 @@ fn vmm_of(sbx: &str) -> Result<Vmm, String> {
         ));
     }
     let pid = qemu[0];
-    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| e.to_string())?;
-    let status: Vec<String> = st
-        .lines()
-        .filter(|l| {
-            ["Uid:", "Gid:", "Groups:", "Cap", "NoNewPrivs:", "Seccomp:"]
-                .iter()
-                .any(|k| l.starts_with(k))
-        })
-        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect();
+    let status = status_lines(pid).ok_or_else(|| format!("QEMU (pid {pid}) is gone"))?;
     let has = |want: &str| status.iter().any(|l| l == want);
     let root = status
         .iter()

@@ -549,6 +549,23 @@ pub fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// A daemon of the test's own (data dir `tmp/data`) without a warm pool whose default template is
+/// `bb`, a [`busybox_rootfs`], registered; `extra` flags are added to `moat serve`'s.
+pub async fn busybox_daemon(tmp: &Path, extra: &[&str]) -> (Daemon, Client) {
+    let rootfs = busybox_rootfs(tmp);
+    let mut args = vec!["--default-template", "bb", "--pool-size", "0"];
+    args.extend_from_slice(extra);
+    let d = Daemon::start_with(&tmp.join("data"), &args);
+    let c = d.client();
+    c.register_template(&moat_api::RegisterTemplateRequest {
+        name: "bb".into(),
+        path: rootfs.display().to_string(),
+    })
+    .await
+    .unwrap();
+    (d, c)
+}
+
 /// A tiny busybox root filesystem (from Debian's busybox-static) for tests that need their own daemon.
 pub fn busybox_rootfs(dir: &Path) -> PathBuf {
     let root = dir.join("bbroot");
