@@ -11,6 +11,7 @@ mod cli;
 mod code;
 mod commands;
 mod density;
+mod diskfull;
 mod escape;
 mod files;
 mod hardening;

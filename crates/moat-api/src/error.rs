@@ -23,6 +23,9 @@ pub enum ErrorCode {
     Timeout,
     /// 503: a needed facility is missing on this host (e.g. an isolation tier).
     Unavailable,
+    /// 507: the host's disk is nearly full (only what is kept in reserve is left): nothing new is
+    /// made until space is freed (sandboxes, snapshots or templates deleted).
+    InsufficientStorage,
     /// 500: a bug or an unexpected host failure; the message says what failed.
     Internal,
 }
@@ -39,6 +42,7 @@ impl ErrorCode {
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::Timeout => 504,
             ErrorCode::Unavailable => 503,
+            ErrorCode::InsufficientStorage => 507,
             ErrorCode::Internal => 500,
         }
     }
@@ -54,6 +58,7 @@ impl ErrorCode {
             413 => ErrorCode::PayloadTooLarge,
             504 => ErrorCode::Timeout,
             503 => ErrorCode::Unavailable,
+            507 => ErrorCode::InsufficientStorage,
             _ => ErrorCode::Internal,
         }
     }

@@ -316,6 +316,25 @@ pub struct DiskUsage {
     pub sandboxes: DiskUsageItem,
     /// Sum of the above, bytes.
     pub total_bytes: u64,
+    /// The filesystem of the daemon's data directory: its space, the reserve the daemon keeps, and
+    /// the sandboxes' quotas (which may add up to more than it has: images take space as written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<FilesystemUsage>,
+}
+
+/// `GET /v1/system/df`'s `filesystem`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FilesystemUsage {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// Kept free for the daemon: sandboxes' disks are capped so that none can take it.
+    pub reserve_bytes: u64,
+    /// Under twice the reserve free: creates, forks, snapshots and builds are refused (507) and
+    /// what is left above the reserve is shared out between the sandboxes.
+    pub low: bool,
+    /// Sum of the disk quotas of the sandboxes.
+    pub quota_bytes: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -175,5 +175,19 @@ pub async fn df(client: &Client, json: bool) -> anyhow::Result<i32> {
     ]);
     rows.push(vec!["total".into(), String::new(), mib(u.total_bytes)]);
     print_table(&["WHAT", "COUNT", "SIZE"], &rows);
+    if let Some(fs) = &u.filesystem {
+        println!(
+            "\nfilesystem: {} free of {}, {} kept in reserve; sandbox quotas add up to {}{}",
+            mib(fs.free_bytes),
+            mib(fs.total_bytes),
+            mib(fs.reserve_bytes),
+            mib(fs.quota_bytes),
+            if fs.low {
+                " (LOW: creates, forks, snapshots and builds are refused)"
+            } else {
+                ""
+            }
+        );
+    }
     Ok(0)
 }

@@ -623,7 +623,7 @@ impl Audit {
         let rows = tokio::task::spawn_blocking(move || {
             db.with_conn(|c| {
                 let mut st = c.prepare(&sql)?;
-                let rows = st.query_map(params_from_iter(args), |r| {
+                let rows = st.query_map(params_from_iter(&args), |r| {
                     let at_ms: i64 = r.get(1)?;
                     let detail: String = r.get(6)?;
                     Ok(AuditEntry {

@@ -170,6 +170,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MOAT_BODY_IDLE_TIMEOUT", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub body_idle_timeout: u64,
+    /// MiB of the data directory's filesystem kept free for the daemon (its database, logs and
+    /// snapshots): sandboxes' disks are capped so that none can take them, and creates are refused
+    /// (507) below twice this much free. 0: 5% of the filesystem, at least 256 MiB, at most 4 GiB.
+    #[arg(long, env = "MOAT_DISK_RESERVE_MB", default_value_t = 0)]
+    pub disk_reserve_mb: u64,
     /// Largest build context (the files a template spec's `copy` steps take) accepted, in MiB.
     #[arg(long, env = "MOAT_MAX_BUILD_CONTEXT_MB", default_value_t = 2048)]
     pub max_build_context_mb: u64,
@@ -205,6 +210,7 @@ impl ServeArgs {
                 self.build_npm_registry.clone(),
             )?,
             agent_timeout: std::time::Duration::from_secs(20),
+            disk_reserve: self.disk_reserve_mb << 20,
         })
     }
 

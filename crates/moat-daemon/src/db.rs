@@ -288,6 +288,21 @@ pub struct BuildRecord {
 
 pub struct Db {
     conn: Mutex<Connection>,
+    /// A file of space kept for the database on its filesystem (`<db>.reserve`), given up when
+    /// a write finds the disk full so that the write (a delete, a timeout change, an audit entry)
+    /// still happens; made again by [`Db::keep_reserve`] once there is room.
+    reserve: Option<std::path::PathBuf>,
+}
+
+impl StoreError {
+    /// Whether the disk under the database is full (SQLITE_FULL).
+    pub fn is_disk_full(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DiskFull
+        )
+    }
 }
 
 fn enum_str<T: serde::Serialize>(v: &T) -> String {
@@ -403,14 +418,71 @@ impl Db {
             path: path.display().to_string(),
             source,
         })?;
-        Self::init(conn)
+        let mut reserve = path.as_os_str().to_owned();
+        reserve.push(".reserve");
+        Self::init(conn, Some(reserve.into()))
     }
 
     pub fn open_in_memory() -> Result<Db> {
-        Self::init(Connection::open_in_memory()?)
+        Self::init(Connection::open_in_memory()?, None)
     }
 
-    fn init(mut conn: Connection) -> Result<Db> {
+    /// Makes the file of space kept for the database `bytes` long if it is not (allocated, not
+    /// sparse). Returns whether it was (re)made.
+    pub fn keep_reserve(&self, bytes: u64) -> std::io::Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let Some(path) = &self.reserve else {
+            return Ok(false);
+        };
+        if std::fs::metadata(path).is_ok_and(|m| m.blocks() * 512 >= bytes) {
+            return Ok(false);
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        if let Err(e) = nix::fcntl::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            nix::fcntl::FallocateFlags::empty(),
+            0,
+            bytes as i64,
+        ) {
+            drop(f);
+            let _ = std::fs::remove_file(path);
+            return Err(e.into());
+        }
+        Ok(true)
+    }
+
+    /// Gives up the space kept for the database; whether there was any.
+    fn release_reserve(&self) -> bool {
+        let Some(path) = &self.reserve else {
+            return false;
+        };
+        match std::fs::remove_file(path) {
+            Ok(()) => {
+                tracing::warn!(
+                    "the disk under the database is full: gave up the space kept for it ({})",
+                    path.display()
+                );
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Runs `f` on the connection; when it fails because the disk is full, gives up the space
+    /// kept for the database and runs it once more (a failed write changed nothing).
+    fn run<T>(&self, mut f: impl FnMut(&mut Connection) -> Result<T>) -> Result<T> {
+        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        match f(&mut conn) {
+            Err(e) if e.is_disk_full() && self.release_reserve() => f(&mut conn),
+            r => r,
+        }
+    }
+
+    fn init(mut conn: Connection, reserve: Option<std::path::PathBuf>) -> Result<Db> {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
@@ -427,26 +499,33 @@ impl Db {
         tx.commit()?;
         Ok(Db {
             conn: Mutex::new(conn),
+            reserve,
         })
     }
 
-    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
-        let conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
-        f(&conn).map_err(Into::into)
+    fn with<T>(&self, mut f: impl FnMut(&Connection) -> rusqlite::Result<T>) -> Result<T> {
+        self.run(|c| f(c).map_err(Into::into))
     }
 
-    /// Runs `f` on the connection (for modules that keep their own tables, such as `audit`).
+    /// Runs `f` on the connection (for modules that keep their own tables, such as `audit`); run
+    /// again once if the disk was full (see [`Db::keep_reserve`]).
     pub fn with_conn<T>(
         &self,
-        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
+        mut f: impl FnMut(&mut Connection) -> rusqlite::Result<T>,
     ) -> Result<T> {
-        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
-        f(&mut conn).map_err(Into::into)
+        self.run(|c| f(c).map_err(Into::into))
     }
 
     /// Inserts a new sandbox, choosing the lowest free uid slot below `max_slots`.
     pub fn insert_sandbox(&self, rec: &mut SandboxRecord, max_slots: u32) -> Result<()> {
-        let mut conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        self.run(|conn| Self::insert_sandbox_in(conn, rec, max_slots))
+    }
+
+    fn insert_sandbox_in(
+        conn: &mut Connection,
+        rec: &mut SandboxRecord,
+        max_slots: u32,
+    ) -> Result<()> {
         let tx = conn.transaction()?;
         let next: i64 = tx
             .query_row("SELECT value FROM meta WHERE key = 'next_slot'", [], |r| {
@@ -659,6 +738,18 @@ impl Db {
             )
         })
         .map(|n| n as u64)
+    }
+
+    /// The largest disk quota (MiB) of a sandbox in the store; 0 when none has one.
+    pub fn largest_disk_quota_mb(&self) -> Result<u64> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT COALESCE(MAX(json_extract(limits, '$.disk_mb')), 0) FROM sandboxes",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+        })
+        .map(|n| n.max(0) as u64)
     }
 
     pub fn delete_sandbox(&self, id: &str) -> Result<()> {
@@ -1102,5 +1193,62 @@ mod tests {
         }
         let db = Db::open(&p).unwrap();
         assert_eq!(db.list_sandboxes().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_full_disk_gives_up_the_reserve_and_the_write_happens() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root (a tmpfs of its own)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            dir.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=4m"),
+        )
+        .unwrap();
+        let unmount = scopeguard(dir.path().to_path_buf());
+        let p = dir.path().join("m.db");
+        let db = Db::open(&p).unwrap();
+        assert!(db.keep_reserve(1 << 20).unwrap());
+        assert!(!db.keep_reserve(1 << 20).unwrap(), "made twice");
+        // Something else takes every byte left.
+        let mut filler = std::fs::File::create(dir.path().join("filler")).unwrap();
+        let chunk = vec![7u8; 64 << 10];
+        while std::io::Write::write_all(&mut filler, &chunk).is_ok() {}
+        drop(filler);
+        let mut r = rec("full");
+        r.metadata = (0..64)
+            .map(|i| (format!("k{i}"), "v".repeat(4000)))
+            .collect();
+        db.insert_sandbox(&mut r, 8).unwrap();
+        assert!(!p.with_extension("db.reserve").exists(), "reserve kept");
+        assert_eq!(db.get_sandbox("full").unwrap().unwrap().metadata.len(), 64);
+        // With neither room nor reserve, the error says the disk is full.
+        let mut big = rec("big");
+        big.metadata = (0..512)
+            .map(|i| (format!("k{i}"), "v".repeat(4000)))
+            .collect();
+        let e = db.insert_sandbox(&mut big, 8).unwrap_err();
+        assert!(e.is_disk_full(), "{e}");
+        // Room again: the reserve is made again.
+        std::fs::remove_file(dir.path().join("filler")).unwrap();
+        assert!(db.keep_reserve(1 << 20).unwrap());
+        drop(db);
+        drop(unmount);
+    }
+
+    /// Unmounts the test's tmpfs when dropped.
+    fn scopeguard(dir: std::path::PathBuf) -> impl Drop {
+        struct Unmount(std::path::PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        Unmount(dir)
     }
 }

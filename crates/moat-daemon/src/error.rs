@@ -26,6 +26,9 @@ pub enum Error {
     /// A limit of the host was reached (every sandbox slot taken).
     #[error("{0}")]
     Limit(String),
+    /// The host's disk is nearly full (down to its reserve): nothing new is made.
+    #[error("{0}")]
+    NoSpace(String),
     /// An isolation tier failed or refused, with its cause.
     #[error("{what}: {source}")]
     Tier { what: String, source: TierError },

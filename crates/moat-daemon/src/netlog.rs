@@ -139,7 +139,7 @@ impl NetLog {
         let rows = tokio::task::spawn_blocking(move || {
             db.with_conn(|c| {
                 let mut st = c.prepare(&sql)?;
-                let rows = st.query_map(params_from_iter(args), row)?;
+                let rows = st.query_map(params_from_iter(&args), row)?;
                 rows.collect::<rusqlite::Result<Vec<_>>>()
             })
         })

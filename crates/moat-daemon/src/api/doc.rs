@@ -79,6 +79,16 @@ pub(super) fn document(b: &Bounds) -> Value {
     doc
 }
 
+/// The operations that take new space on the host's disk, refused with 507 while it is low.
+const MAKES_SOMETHING: [&str; 6] = [
+    "/v1/sandboxes",
+    "/v1/sandboxes/{id}/snapshots",
+    "/v1/snapshots/{id}/fork",
+    "/v1/templates",
+    "/v1/templates/{name}/build",
+    "/v1/templates/{name}/pull",
+];
+
 /// Adds the error answers utoipa's derive does not list: every keyed operation may answer 400 (a
 /// value the server refuses), 401 (no or a wrong key), 500 and 503 (a host that is full or lacks a
 /// facility); one with a path parameter 404 (no such object) and 409 (its state refuses the
@@ -123,6 +133,12 @@ fn declare_errors(doc: &mut Value) {
                 codes.push((
                     "413",
                     "The body is larger than the limit (or the sandbox's disk)",
+                ));
+            }
+            if method == "post" && MAKES_SOMETHING.contains(&path.as_str()) {
+                codes.push((
+                    "507",
+                    "The host's disk is down to its reserve: nothing new is made",
                 ));
             }
             if path.starts_with("/v1/sandboxes/{id}/") {
@@ -426,6 +442,16 @@ mod tests {
         }
         // What utoipa's derive declared stays.
         assert!(doc["paths"]["/v1/sandboxes"]["post"]["responses"]["201"].is_object());
+        // Every path that makes something exists and may answer 507; a read never does.
+        for path in MAKES_SOMETHING {
+            assert!(
+                doc["paths"][path]["post"]["responses"]["507"].is_object(),
+                "{path}"
+            );
+        }
+        assert!(doc["paths"]["/v1/sandboxes"]["get"]["responses"]
+            .get("507")
+            .is_none());
     }
 
     #[test]

@@ -61,6 +61,7 @@ impl From<Error> for ApiError {
                 with_field(ErrorCode::Unavailable, field, message)
             }
             Error::Limit(m) => ApiError::new(ErrorCode::Unavailable, m),
+            Error::NoSpace(m) => ApiError::new(ErrorCode::InsufficientStorage, m),
             // A refusal is written for the user: it says what and why.
             Error::Tier {
                 source: TierError::Refused(m),

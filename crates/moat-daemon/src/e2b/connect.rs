@@ -97,6 +97,7 @@ impl From<crate::api::error::ApiError> for ConnectError {
             E::Unauthorized => Code::Unauthenticated,
             E::PayloadTooLarge => Code::ResourceExhausted,
             E::Unavailable => Code::Unavailable,
+            E::InsufficientStorage => Code::ResourceExhausted,
             _ => Code::Internal,
         };
         ConnectError::new(code, e.0.error.message)

@@ -69,6 +69,9 @@ pub fn mkfs_args(image: &Path, size_mb: u64, inodes: u64) -> Vec<String> {
     ]
 }
 
+/// ext4 options of a sandbox's image.
+const MOUNT_OPTIONS: &str = "noinit_itable,discard,errors=remount-ro";
+
 /// Creates the sparse image `image` and mounts it at `target` (nosuid, nodev). Returns the loop device.
 pub fn create_and_mount(image: &Path, size_mb: u64, inodes: u64, target: &Path) -> Result<PathBuf> {
     {
@@ -97,13 +100,14 @@ pub fn mount_image(image: &Path, target: &Path) -> Result<PathBuf> {
     let (dev, _file) = attach(image)?;
     std::fs::create_dir_all(target).with_context(|| format!("mkdir {}", target.display()))?;
     // noinit_itable: the sparse file already reads as zeros, so the kernel need not write the inode
-    // tables (which would allocate them on the host).
+    // tables (which would allocate them on the host). discard: blocks the sandbox frees are punched
+    // out of the image file, so what it deletes is the host's again.
     mount(
         Some(&dev),
         target,
         Some("ext4"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("noinit_itable,errors=remount-ro"),
+        Some(MOUNT_OPTIONS),
     )
     .with_context(|| format!("mount {} at {}", dev.display(), target.display()))?;
     // `_file` (the loop device's fd) closes here: the mount now holds the device, and autoclear
@@ -168,6 +172,59 @@ pub fn used(dir: &Path) -> Result<(u64, u64)> {
     let bytes = (s.blocks() - s.blocks_free()) as u64 * s.fragment_size() as u64;
     let inodes = (s.files() - s.files_free()) as u64;
     Ok((bytes, inodes))
+}
+
+/// The ext4 sysfs directory (`/sys/fs/ext4/<device>`) of the filesystem mounted at `dir`.
+fn ext4_sysfs(dir: &Path) -> Result<PathBuf> {
+    let st = nix::sys::stat::stat(dir).with_context(|| format!("stat {}", dir.display()))?;
+    let (major, minor) = (libc::major(st.st_dev), libc::minor(st.st_dev));
+    let dev = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}"))
+        .with_context(|| format!("the block device {major}:{minor} of {}", dir.display()))?;
+    let name = dev
+        .file_name()
+        .with_context(|| format!("no device name in {}", dev.display()))?;
+    let sys = Path::new("/sys/fs/ext4").join(name);
+    if !sys.exists() {
+        bail!(
+            "{} is not an ext4 filesystem ({} absent)",
+            dir.display(),
+            sys.display()
+        );
+    }
+    Ok(sys)
+}
+
+/// Caps what can still be written to the ext4 filesystem mounted at `dir` at `room` bytes — for
+/// every writer, root included: the filesystem's reserved clusters (`reserved_clusters` in its sysfs
+/// directory, which only the kernel's own metadata updates may use) are raised to all its free
+/// space but `room`. None gives back ext4's own reserve (2% of the blocks, at most 4096). Writes
+/// past the cap fail with ENOSPC, as at the sandbox's own quota; nothing written is touched.
+/// Returns the bytes that can be written now.
+pub fn cap_room(dir: &Path, room: Option<u64>) -> Result<u64> {
+    let sys = ext4_sysfs(dir)?.join("reserved_clusters");
+    let s =
+        nix::sys::statvfs::statvfs(dir).with_context(|| format!("statvfs {}", dir.display()))?;
+    let block = (s.fragment_size() as u64).max(1);
+    let total = s.blocks() as u64;
+    // statfs's free blocks count the reserved clusters (its available blocks do not) and leave
+    // out blocks promised to delayed allocations: what the reserve may be set within.
+    let current: u64 = std::fs::read_to_string(&sys)
+        .with_context(|| format!("read {}", sys.display()))?
+        .trim()
+        .parse()
+        .with_context(|| format!("parse {}", sys.display()))?;
+    let free = s.blocks_free() as u64;
+    let own = (total / 50).min(4096);
+    let want = match room {
+        None => own,
+        Some(r) => free.saturating_sub(r / block).max(own),
+    }
+    .min(total.saturating_sub(1));
+    if want != current {
+        std::fs::write(&sys, want.to_string())
+            .with_context(|| format!("write {} to {}", want, sys.display()))?;
+    }
+    Ok(free.saturating_sub(want) * block)
 }
 
 /// Copies the image file `src` to the new file `dst` (mode 0600) with its holes: only the ranges
@@ -324,6 +381,37 @@ mod tests {
         assert!(s.files() <= 2048, "{}", s.files());
         let big = std::fs::write(mnt.join("big"), vec![1u8; 40 << 20]);
         assert_eq!(big.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+        std::fs::remove_file(mnt.join("big")).unwrap();
+        {
+            // Capped: 4 MiB more can be written, then ENOSPC; uncapped: the quota again.
+            use std::os::unix::fs::MetadataExt;
+            let avail = || {
+                let s = nix::sys::statvfs::statvfs(&mnt).unwrap();
+                s.blocks_available() as u64 * s.fragment_size() as u64
+            };
+            // Caps one after the other are each what was asked (not what is left of the last).
+            for want in [2 << 20, 16 << 20, 4 << 20] {
+                let room = cap_room(&mnt, Some(want)).unwrap();
+                assert!(want - room < 8192, "asked {want}, got {room}");
+                assert_eq!(avail(), room);
+            }
+            let r = std::fs::write(mnt.join("capped"), vec![1u8; 8 << 20]);
+            assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+            std::fs::remove_file(mnt.join("capped")).unwrap();
+            std::fs::write(mnt.join("small"), vec![1u8; 1 << 20]).unwrap();
+            let room = cap_room(&mnt, None).unwrap();
+            assert!(room > 20 << 20, "uncapped room {room}");
+            std::fs::write(mnt.join("capped"), vec![1u8; 8 << 20]).unwrap();
+            // What the sandbox deletes goes back to the host (discard punches it out).
+            let sync =
+                || nix::unistd::syncfs(std::fs::File::open(&mnt).unwrap().as_raw_fd()).unwrap();
+            sync();
+            let before = std::fs::metadata(&img).unwrap().blocks() * 512;
+            std::fs::remove_file(mnt.join("capped")).unwrap();
+            sync();
+            let after = std::fs::metadata(&img).unwrap().blocks() * 512;
+            assert!(before - after >= 7 << 20, "image {before} -> {after} bytes");
+        }
         nix::mount::umount2(&mnt, nix::mount::MntFlags::MNT_DETACH).unwrap();
         let mut left = loops_backed_under(dir.path());
         for _ in 0..100 {

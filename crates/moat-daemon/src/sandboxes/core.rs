@@ -293,6 +293,25 @@ impl Core {
             .is_some_and(|t| t.network_addresses(0).is_some())
     }
 
+    /// Bytes of the data directory's filesystem kept free (see [`super::disk`]).
+    pub fn disk_reserve(&self) -> u64 {
+        match self.settings.disk_reserve {
+            0 => super::disk::default_reserve(self.host.disk_mb << 20),
+            n => n,
+        }
+    }
+
+    /// Refuses to make something new (a sandbox, a snapshot, a template) while the host's disk is
+    /// down to twice its reserve.
+    pub(super) fn check_disk(&self) -> Result<(), Error> {
+        let reserve = self.disk_reserve();
+        let space = super::disk::Space::of(&self.settings.data_dir)?;
+        if super::disk::is_low(space.avail, reserve) {
+            return Err(Error::NoSpace(super::disk::refusal(space, reserve)));
+        }
+        Ok(())
+    }
+
     /// What this daemon accepts at most (see [`Bounds`]).
     pub fn bounds(&self) -> Bounds {
         Bounds {

@@ -67,6 +67,7 @@ impl Lifecycle {
 
     async fn create_now(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
         self.validate(&req)?;
+        self.check_disk()?;
         let snapshot = match &req.snapshot {
             Some(s) => Some(self.snapshot_for_create(s, &req)?),
             None => None,

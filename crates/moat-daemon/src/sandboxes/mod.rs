@@ -27,6 +27,7 @@ use crate::tier::IsolationTier;
 
 pub mod builds;
 pub mod core;
+pub mod disk;
 mod exits;
 mod instance;
 mod lifecycle;
@@ -74,6 +75,9 @@ pub struct Settings {
     pub registries: Registries,
     /// How long a new sandbox's agent may take to answer.
     pub agent_timeout: Duration,
+    /// Bytes of the data directory's filesystem kept free for the daemon (see [`disk`]); 0: 5%
+    /// of it, at least 256 MiB and at most 4 GiB.
+    pub disk_reserve: u64,
 }
 
 impl Settings {
@@ -103,6 +107,7 @@ impl Settings {
             max_build_context_mb: 2048,
             registries: Registries::default(),
             agent_timeout: Duration::from_secs(20),
+            disk_reserve: 0,
         }
     }
 }
@@ -113,6 +118,7 @@ pub struct Services {
     pub sandboxes: Arc<Lifecycle>,
     pub pool: Arc<Pool>,
     pub reaper: Arc<Reaper>,
+    pub disk: Arc<disk::DiskGuard>,
     pub snapshots: Arc<Snapshots>,
     pub templates: Arc<Templates>,
     pub builds: Arc<Builds>,
@@ -134,21 +140,24 @@ impl Services {
         let sandboxes = Arc::new(Lifecycle::new(core.clone(), pool.clone()));
         let snapshots = Arc::new(Snapshots::new(core.clone(), sandboxes.clone()));
         let reaper = Arc::new(Reaper::new(sandboxes.clone(), exited));
+        let disk = Arc::new(disk::DiskGuard::new(sandboxes.clone()));
         let templates = Arc::new(Templates::new(core.clone(), pool.clone()));
         let builds = Arc::new(Builds::new(core, pool.clone()));
         Services {
             sandboxes,
             pool,
             reaper,
+            disk,
             snapshots,
             templates,
             builds,
         }
     }
 
-    /// Starts the background work: the reaper and the warm pool.
+    /// Starts the background work: the reaper, the warm pool and the disk guard.
     pub fn spawn_background(&self) {
         tokio::spawn(self.reaper.clone().run());
         tokio::spawn(self.pool.clone().run());
+        tokio::spawn(self.disk.clone().run());
     }
 }

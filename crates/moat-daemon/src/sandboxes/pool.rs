@@ -127,6 +127,7 @@ impl Pool {
     }
 
     async fn fill_one(&self, template: &str) -> Result<(), Error> {
+        self.core.check_disk()?;
         let tier = self.core.tier(self.core.settings.default_isolation)?;
         let stack = match self.core.db.get_template(template)? {
             Some(t) => Stack::of_template(&t),

@@ -105,11 +105,13 @@ impl Snapshots {
             count: 0,
             bytes: 0,
         };
+        let mut quota_bytes = 0;
         for rec in self.db.list_sandboxes()? {
             let (Ok(tier), Some(state)) = (self.tier(rec.isolation), &rec.tier_state) else {
                 continue;
             };
             sandboxes.count += 1;
+            quota_bytes += rec.limits.disk_mb << 20;
             if let Ok(u) = tier.usage(&rec.id, state).await {
                 sandboxes.bytes += u.disk_bytes;
             }
@@ -120,6 +122,16 @@ impl Snapshots {
             bytes,
         };
         let total_bytes = plain_bytes + layers.bytes + sandboxes.bytes;
+        let reserve = self.disk_reserve();
+        let filesystem = super::disk::Space::of(&self.settings.data_dir)
+            .ok()
+            .map(|s| moat_api::FilesystemUsage {
+                total_bytes: s.total,
+                free_bytes: s.avail,
+                reserve_bytes: reserve,
+                low: super::disk::is_low(s.avail, reserve),
+                quota_bytes,
+            });
         Ok(moat_api::DiskUsage {
             templates,
             layers,
@@ -131,6 +143,7 @@ impl Snapshots {
             snapshots: self.db.list_snapshots()?.len() as u64,
             sandboxes,
             total_bytes,
+            filesystem,
         })
     }
 
@@ -145,6 +158,7 @@ impl Snapshots {
     }
 
     async fn snapshot_now(&self, id: &str, req: CreateSnapshotRequest) -> Result<Snapshot, Error> {
+        self.check_disk()?;
         if let Some(n) = &req.name {
             moat_api::validate_snapshot_name(n).map_err(|m| Error::invalid("name", m))?;
             if self.db.get_snapshot(n)?.is_some() {
@@ -344,6 +358,7 @@ impl Snapshots {
     }
 
     async fn fork_now(&self, id_or_name: &str, req: ForkRequest) -> Result<Vec<Sandbox>, Error> {
+        self.check_disk()?;
         if !(1..=MAX_FORKS).contains(&req.count) {
             return Err(Error::invalid(
                 "count",

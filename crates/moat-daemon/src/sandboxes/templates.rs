@@ -39,6 +39,7 @@ impl Templates {
     /// Registers a root filesystem directory or tarball, an OCI image layout or a `docker save`
     /// archive on this host as template `name`.
     pub async fn register(self: &Arc<Self>, name: &str, path: &str) -> Result<Template, Error> {
+        self.core.check_disk()?;
         let (this, name, path) = (self.clone(), name.to_string(), path.to_string());
         detached(async move {
             this.core
@@ -55,6 +56,7 @@ impl Templates {
         name: &str,
         req: &PullTemplateRequest,
     ) -> Result<Template, Error> {
+        self.core.check_disk()?;
         let (this, name, req) = (self.clone(), name.to_string(), req.clone());
         detached(async move { this.core.templates.pull(&this.core.db, &name, &req).await }).await
     }
@@ -65,6 +67,7 @@ impl Templates {
         name: &str,
         events: mpsc::Sender<BuildEvent>,
     ) -> Result<Template, Error> {
+        self.core.check_disk()?;
         self.core.templates.build(&self.core.db, name, events).await
     }
 

@@ -59,6 +59,16 @@ pub fn usage(dir: &Path) -> Result<(u64, u64)> {
     }
 }
 
+/// Caps what the writable layer of the sandbox directory `dir` may still write at `room` bytes
+/// (None: its quota only); None when it has no quota image (its writes go to the host's
+/// filesystem directly and no cap applies).
+pub fn cap_room(dir: &Path, room: Option<u64>) -> Result<Option<u64>> {
+    if !dir.join("disk.img").exists() {
+        return Ok(None);
+    }
+    diskimage::cap_room(&dir.join("disk"), room).map(Some)
+}
+
 /// Removes everything in the (unmounted) sandbox directory but its writable layer.
 pub fn remove_all_but_layer(dir: &Path) -> Result<()> {
     let Ok(rd) = std::fs::read_dir(dir) else {

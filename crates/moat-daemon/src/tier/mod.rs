@@ -182,6 +182,18 @@ pub trait Tier: Send + Sync + 'static {
     /// Live usage, read on the host.
     async fn usage(&self, id: &str, state: &Self::State) -> Result<TierUsage>;
 
+    /// Caps how much more of the host's disk the sandbox's writable layer may take: `room` bytes
+    /// more at most (None: its own quota only). Returns what it may still write; None when the
+    /// tier cannot cap it (no quota image on the host, or a disk only the guest mounts).
+    async fn cap_disk(
+        &self,
+        _id: &str,
+        _state: &Self::State,
+        _room: Option<u64>,
+    ) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Freezes every process of the sandbox.
     async fn pause(&self, id: &str, state: &Self::State) -> Result<()>;
 
@@ -269,6 +281,12 @@ pub trait IsolationTier: Send + Sync {
         limits: &SandboxLimits,
     ) -> Result<(), TierError>;
     async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage, TierError>;
+    async fn cap_disk(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        room: Option<u64>,
+    ) -> Result<Option<u64>, TierError>;
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError>;
     async fn resume(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError>;
     async fn export_changes(
@@ -354,6 +372,14 @@ impl<T: Tier> IsolationTier for T {
     }
     async fn usage(&self, id: &str, state: &serde_json::Value) -> Result<TierUsage, TierError> {
         Ok(Tier::usage(self, id, &decode::<T>(state)?).await?)
+    }
+    async fn cap_disk(
+        &self,
+        id: &str,
+        state: &serde_json::Value,
+        room: Option<u64>,
+    ) -> Result<Option<u64>, TierError> {
+        Ok(Tier::cap_disk(self, id, &decode::<T>(state)?, room).await?)
     }
     async fn pause(&self, id: &str, state: &serde_json::Value) -> Result<(), TierError> {
         Ok(Tier::pause(self, id, &decode::<T>(state)?).await?)

@@ -157,6 +157,7 @@ impl Builds {
     /// A new build id and its (empty) directory, for the API to store a build context in before the
     /// build starts.
     pub fn new_dir(&self) -> Result<(String, std::path::PathBuf), Error> {
+        self.check_disk()?;
         let id = crate::ids::new_id("bld");
         let dir = self.build_dir(&id);
         std::fs::create_dir_all(&dir)

@@ -410,6 +410,15 @@ impl Tier for ContainerTier {
         .await?
     }
 
+    async fn cap_disk(
+        &self,
+        id: &str,
+        _state: &ContainerState,
+        room: Option<u64>,
+    ) -> Result<Option<u64>> {
+        super::layer::cap_room(&self.dir(id), room)
+    }
+
     async fn pause(&self, id: &str, _state: &ContainerState) -> Result<()> {
         self.cgroups.set_frozen(id, true)
     }

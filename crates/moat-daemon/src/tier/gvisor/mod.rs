@@ -1038,6 +1038,15 @@ impl Tier for GvisorTier {
         .await?
     }
 
+    async fn cap_disk(
+        &self,
+        id: &str,
+        _state: &GvisorState,
+        room: Option<u64>,
+    ) -> Result<Option<u64>> {
+        super::layer::cap_room(&self.dir(id), room)
+    }
+
     async fn pause(&self, id: &str, state: &GvisorState) -> Result<()> {
         let networked = state.net_slot.is_some();
         let this = self.clone();
