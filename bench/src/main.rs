@@ -60,7 +60,7 @@ struct Args {
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Run only these scenarios (comma-separated: cold, burst, exec, snapshots, density, files, saturation,
-    /// hardening, network, gvisor, microvm); default all.
+    /// hardening, network, gvisor, microvm, neighbour); default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(scenarios::NAMES))]
     only: Vec<String>,
     /// Root filesystem directory registered as the `base` template when the bench's daemon lacks

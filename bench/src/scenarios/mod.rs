@@ -10,6 +10,7 @@ pub mod files;
 pub mod gvisor;
 pub mod hardening;
 pub mod microvm;
+pub mod neighbour;
 pub mod network;
 pub mod saturation;
 pub mod snapshots;
@@ -158,7 +159,7 @@ impl Peer {
 }
 
 /// The scenarios' names for `--only`, in the order they run.
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 12] = [
     "cold",
     "burst",
     "exec",
@@ -170,6 +171,7 @@ pub const NAMES: [&str; 11] = [
     "network",
     "gvisor",
     "microvm",
+    "neighbour",
 ];
 
 /// Everything a scenario needs.
@@ -259,6 +261,7 @@ pub async fn run_all(ctx: &Ctx<'_>, only: &[String]) -> Vec<Section> {
     scenario!(network);
     scenario!(gvisor);
     scenario!(microvm);
+    scenario!(neighbour);
     out
 }
 
