@@ -97,6 +97,14 @@ struct TierExpect {
     /// panics its own kernel): held when the sandbox is gone and the daemon and a new sandbox go on.
     #[serde(default)]
     may_end_sandbox: bool,
+    /// With `may_end_sandbox`: the reason the daemon must give for the end (its 404 says
+    /// "ended at ... (REASON)"), e.g. `oom` when the host's OOM killer ended a gVisor Sentry.
+    #[serde(default)]
+    ended_by: Option<String>,
+    /// A resource case judged from the host: the CPU time the sandbox's cgroup used over the
+    /// attack (the daemon's stats, read on the host) must stay within its `cpu` limit.
+    #[serde(default)]
+    host_cpu: bool,
 }
 
 impl Case {
@@ -125,6 +133,18 @@ impl Case {
         self.tiers
             .get(isolation().as_str())
             .is_some_and(|t| t.may_end_sandbox)
+    }
+
+    /// The reason the daemon must give when the attack ends its sandbox on this run's tier.
+    fn ended_by(&self) -> Option<&str> {
+        self.tiers
+            .get(isolation().as_str())
+            .and_then(|t| t.ended_by.as_deref())
+    }
+
+    /// Whether this run's tier judges the case's CPU use from the host.
+    fn host_cpu(&self) -> bool {
+        self.tiers.get(isolation().as_str()).is_some_and(|t| t.host_cpu)
     }
 
     /// Why the tier has expectations of its own, if it has.
@@ -498,18 +518,27 @@ async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict
         return Verdict::Failed(format!("the sandbox ended under the case: {broke}"));
     }
     // Held when the sandbox is gone (nothing of it left running) and the daemon serves a new one.
-    let mut gone = false;
+    let mut gone = None;
     for _ in 0..100 {
-        if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
-            gone = true;
-            break;
+        match c.get_sandbox(sbx).await {
+            Err(e) if e.is_not_found() => {
+                gone = Some(e.to_string());
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    if !gone {
+    let Some(said) = gone else {
         return Verdict::Failed(format!(
             "the case broke its sandbox's stream ({broke}) but the sandbox is still listed"
         ));
+    };
+    if let Some(reason) = case.ended_by() {
+        if !said.contains(&format!("({reason})")) {
+            return Verdict::Failed(format!(
+                "the sandbox ended, but not by {reason} as the daemon tells it: {said}"
+            ));
+        }
     }
     let fresh = create(c, "base").await;
     let alive = sh(c, &fresh.id, "echo alive").await.stdout;
@@ -518,8 +547,9 @@ async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict
         return Verdict::Failed(format!("after the case a new sandbox answered {alive:?}"));
     }
     Verdict::Held(format!(
-        "the sandbox ended itself ({}); the daemon and a new sandbox went on",
-        case.tier_why().unwrap_or("its own kernel")
+        "the sandbox ended itself ({}); the daemon said: {}; the daemon and a new sandbox went on",
+        case.tier_why().unwrap_or("its own kernel"),
+        one_line(&said, 160)
     ))
 }
 
@@ -625,6 +655,12 @@ async fn run_resource(
         Err(e) => return Verdict::Failed(format!("create attack sandbox: {e}")),
     };
     let host = HostState::read(&sbx.id, case, vars);
+    let cpu_limit = case.cpu.unwrap_or(0.5);
+    let cpu_at = |c: Client, id: String| async move {
+        let st = c.sandbox_stats(&id).await.ok()?;
+        Some((Instant::now(), st.cpu_usage_us))
+    };
+    let cpu_before = cpu_at(c.clone(), sbx.id.clone()).await;
     let secs = case.timeout.unwrap_or(30);
     let attack = {
         let (c, id, s, user) = (
@@ -671,6 +707,28 @@ async fn run_resource(
         Ok(Ok(out)) => judge(case, vars, &out),
         Ok(Err(broke)) => judge_ended(c, &sbx.id, case, &broke).await,
         Err(e) => Verdict::Failed(format!("runner: {e}")),
+    };
+    let verdict = match verdict {
+        Verdict::Held(o) if case.host_cpu() => {
+            match (cpu_before, cpu_at(c.clone(), sbx.id.clone()).await) {
+                (Some((t0, u0)), Some((t1, u1))) => {
+                    let cores = (u1.saturating_sub(u0)) as f64 / 1e6
+                        / (t1 - t0).as_secs_f64().max(0.001);
+                    // The quota, with room for the accounting of one CFS period and the probes.
+                    if cores <= cpu_limit * 1.3 + 0.05 {
+                        Verdict::Held(format!(
+                            "{o}; on the host the sandbox's cgroup used {cores:.2} cores (limit {cpu_limit})"
+                        ))
+                    } else {
+                        Verdict::Failed(format!(
+                            "the sandbox's cgroup used {cores:.2} cores, over its limit of {cpu_limit}"
+                        ))
+                    }
+                }
+                _ => Verdict::Failed("could not read the sandbox's CPU time on the host".into()),
+            }
+        }
+        other => other,
     };
     let verdict = with_host_checks(verdict, host.changes(c, &sbx.id, vars).await);
     let _ = c.delete_sandbox(&sbx.id).await;
