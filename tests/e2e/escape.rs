@@ -144,7 +144,9 @@ impl Case {
 
     /// Whether this run's tier judges the case's CPU use from the host.
     fn host_cpu(&self) -> bool {
-        self.tiers.get(isolation().as_str()).is_some_and(|t| t.host_cpu)
+        self.tiers
+            .get(isolation().as_str())
+            .is_some_and(|t| t.host_cpu)
     }
 
     /// Why the tier has expectations of its own, if it has.
@@ -712,8 +714,8 @@ async fn run_resource(
         Verdict::Held(o) if case.host_cpu() => {
             match (cpu_before, cpu_at(c.clone(), sbx.id.clone()).await) {
                 (Some((t0, u0)), Some((t1, u1))) => {
-                    let cores = (u1.saturating_sub(u0)) as f64 / 1e6
-                        / (t1 - t0).as_secs_f64().max(0.001);
+                    let cores =
+                        (u1.saturating_sub(u0)) as f64 / 1e6 / (t1 - t0).as_secs_f64().max(0.001);
                     // The quota, with room for the accounting of one CFS period and the probes.
                     if cores <= cpu_limit * 1.3 + 0.05 {
                         Verdict::Held(format!(
