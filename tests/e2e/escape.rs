@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use moat_api::{CreateSandboxRequest, StartProcessRequest};
+use moat_api::{CreateSandboxRequest, ProcessEvent, StartProcessRequest};
 use moat_client::Client;
 use serde::Deserialize;
 
@@ -65,6 +65,15 @@ struct Case {
     /// Writable-layer quota of the attack sandbox (resource cases).
     #[serde(default)]
     disk_mb: Option<u64>,
+    /// A resource attack started in the background, its output read by nobody while it runs (an
+    /// output flood): held when the agent kept only its buffer (output was dropped), the daemon's
+    /// and the sandbox's memory did not grow with what was written, and its last output is there.
+    #[serde(default)]
+    background: bool,
+    /// Names the test's own upstream DNS server must never be asked for (network cases: its query
+    /// log is read after the case).
+    #[serde(default)]
+    upstream_never_sees: Vec<String>,
     /// Host files that must read the same after the case as before it (on every tier): what a
     /// write inside the sandbox (a sysctl, a hostname) must not reach.
     #[serde(default)]
@@ -164,6 +173,8 @@ enum Kind {
     ApiRead,
     ApiTar,
     ApiWrite,
+    /// An attack on the sandbox network, run on a daemon of its own in a test-made network.
+    Network,
 }
 
 #[derive(Debug, Clone)]
@@ -514,6 +525,197 @@ async fn run_script(
     }
 }
 
+/// The network cases, on a daemon of their own in a test-made network (topology.rs: its only uplink
+/// is a namespace of the test's own servers, DNS included) with sandbox networking on, in a busybox
+/// sandbox whose policy is the one an agent with a narrow allow list gets: internet off, one domain
+/// (`good.example`) allowed. A second sandbox serves a marker on port 7000 (its own loopback proves
+/// it). Placeholders: {INTERNET}, {METADATA}, {EVIL} (addresses of the test's servers), {OTHER_IP}
+/// and {OTHER_MARKER} (the second sandbox), {EXFIL} (a name no one asked for before).
+async fn run_network(cases: &[Case], vars: &Vars) -> Vec<(String, Verdict)> {
+    use crate::topology::{networked_daemon, EVIL, INTERNET, METADATA};
+    let all_failed = |why: String| -> Vec<(String, Verdict)> {
+        cases
+            .iter()
+            .map(|k| (k.id.clone(), Verdict::Failed(why.clone())))
+            .collect()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (topo, d, c, _deny) = networked_daemon(
+        tmp.path(),
+        "10.204.0.0/16",
+        &[
+            "--default-network",
+            r#"{"allow_internet": false, "allow_out": ["good.example"]}"#,
+        ],
+    )
+    .await;
+    let bb = || CreateSandboxRequest {
+        template: Some("bb".into()),
+        timeout: Some(600),
+        ..Default::default()
+    };
+    let (other, attacker) = match (c.create_sandbox(&bb()).await, c.create_sandbox(&bb()).await) {
+        (Ok(o), Ok(a)) => (o, a),
+        other => return all_failed(format!("create the network sandboxes: {other:?}")),
+    };
+    let marker = format!("other-sandbox-{:016x}", rand_u64());
+    let serve = StartProcessRequest {
+        cmd: Some(vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            format!("while true; do echo {marker} | busybox nc -l -p 7000; done"),
+        ]),
+        ..Default::default()
+    };
+    if let Err(e) = c.start_process_background(&other.id, &serve).await {
+        return all_failed(format!("start the second sandbox's server: {e}"));
+    }
+    // Positive controls: the second sandbox serves (on its own loopback), and the test's DNS server
+    // logs the queries it gets (a name the policy allows).
+    let mut serves = false;
+    for _ in 0..50 {
+        if sh(&c, &other.id, "busybox nc -w 2 127.0.0.1 7000")
+            .await
+            .stdout
+            .contains(&marker)
+        {
+            serves = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let dns_log = || std::fs::read_to_string(tmp.path().join("dnsmasq.log")).unwrap_or_default();
+    let allowed = sh(&c, &attacker.id, "busybox nslookup good.example").await;
+    if !serves || !allowed.stdout.contains(INTERNET) || !dns_log().contains("good.example") {
+        return all_failed(format!(
+            "the network cases' controls failed: second sandbox serving {serves}, allowed name              resolved {:?}, DNS log {:?}",
+            allowed.stdout,
+            one_line(&dns_log(), 200)
+        ));
+    }
+    let other_ip = other
+        .network
+        .as_ref()
+        .map(|n| n.ip.clone())
+        .unwrap_or_default();
+    let exfil = format!("x{:012x}", rand_u64() & 0xffff_ffff_ffff);
+    let fill = |s: &str| {
+        s.replace("{INTERNET}", INTERNET)
+            .replace("{METADATA}", METADATA)
+            .replace("{EVIL}", EVIL)
+            .replace("{OTHER_IP}", &other_ip)
+            .replace("{OTHER_MARKER}", &marker)
+            .replace("{EXFIL}", &exfil)
+    };
+    let mut out = Vec::new();
+    for case in cases {
+        let mut k = case.clone();
+        for v in [
+            &mut k.attack,
+            &mut k.expect_stdout_contains,
+            &mut k.expect_stdout_not_contains,
+            &mut k.upstream_never_sees,
+        ] {
+            *v = v.iter().map(|s| fill(s)).collect();
+        }
+        let req = StartProcessRequest {
+            cmd: Some(vec!["/bin/sh".into(), "-c".into(), k.attack.join("\n")]),
+            timeout: Some(k.timeout.unwrap_or(60) as f64),
+            ..Default::default()
+        };
+        let v = match try_run_req(&c, &attacker.id, req).await {
+            Ok(o) => judge(&k, vars, &o),
+            Err(e) => Verdict::Failed(format!("the attack's stream broke: {e}")),
+        };
+        let log = dns_log();
+        let seen: Vec<&String> = k
+            .upstream_never_sees
+            .iter()
+            .filter(|n| log.contains(n.as_str()))
+            .collect();
+        let v = match v {
+            Verdict::Held(o) if seen.is_empty() => {
+                Verdict::Held(if k.upstream_never_sees.is_empty() {
+                    o
+                } else {
+                    format!(
+                        "{o}; the upstream DNS server was never asked for {:?}",
+                        k.upstream_never_sees
+                    )
+                })
+            }
+            Verdict::Held(_) => {
+                Verdict::Failed(format!("the upstream DNS server was asked for {seen:?}"))
+            }
+            other => other,
+        };
+        out.push((case.id.clone(), v));
+    }
+    for id in [&attacker.id, &other.id] {
+        let _ = c.delete_sandbox(id).await;
+    }
+    d.stop();
+    drop(topo);
+    out
+}
+
+/// Runs `script` as a background process whose output nobody reads while it runs; once it has
+/// exited, its output as the agent kept it (the last `output_bytes`), as one `Output` whose stdout
+/// ends with `dropped-bytes=N`, N the output the agent let go. Err when the sandbox ended.
+async fn run_unread(c: &Client, id: &str, script: &str, secs: u64) -> Result<Output, String> {
+    let req = StartProcessRequest {
+        cmd: Some(vec!["/bin/bash".into(), "-c".into(), script.into()]),
+        timeout: Some(secs as f64),
+        ..Default::default()
+    };
+    let p = c
+        .start_process_background(id, &req)
+        .await
+        .map_err(|e| format!("start the background process: {e}"))?;
+    let deadline = Instant::now() + Duration::from_secs(secs + 30);
+    loop {
+        let list = c
+            .list_processes(id)
+            .await
+            .map_err(|e| format!("list processes: {e}"))?;
+        if !list.iter().any(|q| q.pid == p.pid && q.running) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Ok(Output {
+                stderr: format!("runner: no exit within {} s", secs + 30),
+                ..Default::default()
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut events = c
+        .attach(id, &p.pid.to_string(), true)
+        .await
+        .map_err(|e| format!("attach: {e}"))?;
+    let (mut tail, mut dropped, mut out) = (Vec::new(), 0u64, Output::default());
+    while let Some(ev) = events.next().await {
+        match ev.map_err(|e| format!("process event: {e:?}"))? {
+            ProcessEvent::Stdout(ch) | ProcessEvent::Stderr(ch) => {
+                tail.extend(decode(&ch));
+                // Only the end matters: what the flood printed last.
+                if tail.len() > 128 << 10 {
+                    tail.drain(..tail.len() - (64 << 10));
+                }
+            }
+            ProcessEvent::Dropped { bytes } => dropped += bytes,
+            ProcessEvent::Exit(e) => out.exit = e,
+            _ => {}
+        }
+    }
+    out.pid = p.pid;
+    out.stdout = format!(
+        "{}\ndropped-bytes={dropped}\n",
+        String::from_utf8_lossy(&tail)
+    );
+    Ok(out)
+}
+
 /// The verdict on a case whose sandbox ended under it (`broke`: what the runner saw).
 async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict {
     if !case.may_end_sandbox() {
@@ -664,6 +866,12 @@ async fn run_resource(
     };
     let cpu_before = cpu_at(c.clone(), sbx.id.clone()).await;
     let secs = case.timeout.unwrap_or(30);
+    let daemon_rss = shared().rss_kib();
+    let sandbox_memory = c
+        .sandbox_stats(&sbx.id)
+        .await
+        .map(|s| s.memory_bytes)
+        .unwrap_or(0);
     let attack = {
         let (c, id, s, user) = (
             c.clone(),
@@ -671,7 +879,14 @@ async fn run_resource(
             script(suite, case, vars),
             case.user.clone(),
         );
-        tokio::spawn(async move { run_script(&c, &id, &s, user, secs).await })
+        let background = case.background;
+        tokio::spawn(async move {
+            if background {
+                run_unread(&c, &id, &s, secs).await
+            } else {
+                run_script(&c, &id, &s, user, secs).await
+            }
+        })
     };
     let mut probe_failures = Vec::new();
     let mut probes = 0;
@@ -711,6 +926,23 @@ async fn run_resource(
         Err(e) => Verdict::Failed(format!("runner: {e}")),
     };
     let verdict = match verdict {
+        Verdict::Held(o) if case.background => {
+            // Gigabytes went through the agent: what it and the daemon hold must not follow. (A
+            // microVM's own memory is its guest's, hundreds of MiB: its growth is what counts.)
+            let grew = shared().rss_kib().saturating_sub(daemon_rss);
+            let memory = c.sandbox_stats(&sbx.id).await.map(|s| s.memory_bytes);
+            match memory {
+                Ok(m) if grew < 64 << 10 && m.saturating_sub(sandbox_memory) < 128 << 20 => {
+                    Verdict::Held(format!(
+                        "{o}; the daemon's memory grew {grew} KiB, the sandbox's {} KiB",
+                        m.saturating_sub(sandbox_memory) >> 10
+                    ))
+                }
+                other => Verdict::Failed(format!(
+                    "memory grew with the flood: the daemon by {grew} KiB, the sandbox: {other:?}"
+                )),
+            }
+        }
         Verdict::Held(o) if case.host_cpu() => {
             match (cpu_before, cpu_at(c.clone(), sbx.id.clone()).await) {
                 (Some((t0, u0)), Some((t1, u1))) => {
@@ -873,6 +1105,7 @@ async fn escape_suite() {
     let mut results: BTreeMap<String, Verdict> = BTreeMap::new();
     let mut ordinary = Vec::new();
     let mut resource = Vec::new();
+    let mut network = Vec::new();
     // MOAT_ESCAPE_ONLY=id,id runs those cases only (while writing a tier's expectations); the report
     // is then not written.
     let only: Option<Vec<String>> = std::env::var("MOAT_ESCAPE_ONLY")
@@ -895,6 +1128,8 @@ async fn escape_suite() {
             results.insert(case.id.clone(), Verdict::Skipped(why.clone()));
         } else if case.kind == Kind::Resource {
             resource.push(case.clone());
+        } else if case.kind == Kind::Network {
+            network.push(case.clone());
         } else {
             ordinary.push(case.clone());
         }
@@ -940,12 +1175,19 @@ async fn escape_suite() {
         live.push(id);
         results.extend(batch);
     }
+    if live.is_empty() && !resource.is_empty() {
+        // No ordinary case ran (MOAT_ESCAPE_ONLY): the resource cases still need a neighbour.
+        live.push(create(&c, "base").await.id);
+    }
     for case in &resource {
         let v = run_resource(&c, &live[0], &suite, case, &vars).await;
         results.insert(case.id.clone(), v);
     }
     for id in &live {
         let _ = c.delete_sandbox(id).await;
+    }
+    if !network.is_empty() {
+        results.extend(run_network(&network, &vars).await);
     }
     let _ = std::fs::remove_dir_all(&vars.dir);
 

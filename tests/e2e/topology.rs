@@ -126,6 +126,9 @@ impl Topology {
                     "--user=root",
                     "--listen-address=198.51.100.1",
                     "--bind-interfaces",
+                    // Every query in the log: what a sandbox made the daemon ask upstream.
+                    "--log-queries",
+                    "--log-facility=-",
                     "--address=/test.example/198.51.100.1",
                     "--address=/good.example/198.51.100.1",
                     "--address=/also.example/198.51.100.1",

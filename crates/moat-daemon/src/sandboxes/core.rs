@@ -115,6 +115,8 @@ pub struct Core {
     starting: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Sandboxes that ended without being asked to, for whoever listens ([`Core::ends`]).
     ends: tokio::sync::broadcast::Sender<Ended>,
+    /// A sandbox's disk was capped as it started (the disk guard looks at every one then).
+    pub(super) disk_capped_at_start: std::sync::atomic::AtomicBool,
 }
 
 /// How long a start in flight may keep a sandbox `starting` before a delete stops waiting for it.
@@ -251,6 +253,7 @@ impl Core {
             layer_lock: std::sync::Mutex::new(()),
             starting: std::sync::Mutex::new(std::collections::HashSet::new()),
             ends: tokio::sync::broadcast::channel(4096).0,
+            disk_capped_at_start: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -298,6 +301,56 @@ impl Core {
         match self.settings.disk_reserve {
             0 => super::disk::default_reserve(self.host.disk_mb << 20),
             n => n,
+        }
+    }
+
+    /// How many more bytes each sandbox's disk may take now (see [`super::disk::room_each`]);
+    /// None: no cap needed.
+    pub(super) fn disk_room(
+        &self,
+        space: super::disk::Space,
+        reserve: u64,
+    ) -> Result<Option<u64>, Error> {
+        // Read at every look (one aggregate query): a sandbox created a moment ago may write at
+        // once.
+        let largest_quota = self.db.largest_disk_quota_mb()? << 20;
+        let writers = if super::disk::is_low(space.avail, reserve) {
+            self.db
+                .list_sandboxes()?
+                .iter()
+                .filter(|r| r.limits.disk_mb > 0 && !r.pooled)
+                .count()
+        } else {
+            1
+        };
+        Ok(super::disk::room_each(
+            space,
+            reserve,
+            writers,
+            largest_quota,
+        ))
+    }
+
+    /// Caps a sandbox's disk as it starts, before anything runs in it, at what the disk guard
+    /// would give it: a write in its first second cannot take the host's reserve. The guard takes
+    /// it over at its next look.
+    pub(super) async fn cap_new_disk(
+        &self,
+        id: &str,
+        tier: &Arc<dyn IsolationTier>,
+        state: &serde_json::Value,
+    ) {
+        let reserve = self.disk_reserve();
+        let room = super::disk::Space::of(&self.settings.data_dir)
+            .and_then(|space| self.disk_room(space, reserve));
+        if let Ok(Some(room)) = room {
+            match tier.cap_disk(id, state, Some(room)).await {
+                Ok(Some(_)) => self
+                    .disk_capped_at_start
+                    .store(true, std::sync::atomic::Ordering::SeqCst),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(sandbox = %id, "cap its disk: {e}"),
+            }
         }
     }
 

@@ -18,6 +18,7 @@
 //!   still written) and made again here once there is room.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,8 +30,6 @@ use crate::error::Error;
 /// How often the free space is read (one statvfs), and how often near the reserve.
 const EVERY: Duration = Duration::from_secs(1);
 const EVERY_NEAR: Duration = Duration::from_millis(200);
-/// How often the largest quota of a live sandbox is read again from the store.
-const QUOTAS_EVERY: Duration = Duration::from_secs(10);
 
 /// Space of a filesystem, bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,9 +104,12 @@ struct Memory {
     capped: HashMap<String, u64>,
     /// For a sandbox whose disk cannot be capped: its usage when the host became low.
     uncapped_at: HashMap<String, u64>,
-    largest_quota: u64,
-    quotas_read: Option<std::time::Instant>,
     was_low: bool,
+    /// Sandboxes whose cap this guard has set or lifted at least once.
+    known: std::collections::HashSet<String>,
+    /// Caps set before this daemon started (they live in the kernel, with the mounts) are not
+    /// known: the first look sets or lifts every sandbox's.
+    started: bool,
 }
 
 impl DiskGuard {
@@ -156,24 +158,19 @@ impl DiskGuard {
                 Err(e) => tracing::warn!("the database's reserve: {e}"),
             }
         }
-        if low || mem.quotas_read.is_none_or(|t| t.elapsed() >= QUOTAS_EVERY) {
-            mem.largest_quota = core.db.largest_disk_quota_mb()? << 20;
-            mem.quotas_read = Some(std::time::Instant::now());
-        }
-        let writers = if low {
-            core.db
-                .list_sandboxes()?
-                .iter()
-                .filter(|r| r.limits.disk_mb > 0 && !r.pooled)
-                .count()
-        } else {
-            1
-        };
-        let room = room_each(space, reserve, writers, mem.largest_quota);
-        if room.is_none() && mem.capped.is_empty() && mem.uncapped_at.is_empty() {
+        let room = core.disk_room(space, reserve)?;
+        // A sandbox started since the last look was capped as it started (`Core::cap_new_disk`).
+        let started_capped = core.disk_capped_at_start.swap(false, Ordering::SeqCst);
+        if room.is_none()
+            && mem.capped.is_empty()
+            && mem.uncapped_at.is_empty()
+            && mem.started
+            && !started_capped
+        {
             return Ok(space.avail < reserve * 4);
         }
         self.apply(mem, room, low).await?;
+        mem.started = true;
         Ok(space.avail < reserve * 4)
     }
 
@@ -192,21 +189,26 @@ impl DiskGuard {
             };
             seen.insert(rec.id.clone());
             let last = mem.capped.get(&rec.id).copied();
+            let known = mem.known.contains(&rec.id);
             // Written again when the room moved by more than 1/32 (or 1 MiB): a sandbox that
             // writes moves it every tick.
             let moved = match (room, last) {
                 (Some(r), Some(l)) => r.abs_diff(l) > (l / 32).max(1 << 20),
-                (None, None) => false,
+                // One the guard never set (capped as it started, or before a restart).
+                (None, None) => !known,
                 _ => true,
             };
             if moved && !mem.uncapped_at.contains_key(&rec.id) {
                 match tier.cap_disk(&rec.id, state, room).await {
-                    Ok(Some(_)) => match room {
+                    Ok(Some(_)) => match room.inspect(|_| {
+                        mem.known.insert(rec.id.clone());
+                    }) {
                         Some(r) => {
                             mem.capped.insert(rec.id.clone(), r);
                         }
                         None => {
                             mem.capped.remove(&rec.id);
+                            mem.known.insert(rec.id.clone());
                         }
                     },
                     Ok(None) => {
@@ -245,6 +247,7 @@ impl DiskGuard {
             mem.uncapped_at.clear();
         }
         mem.capped.retain(|id, _| seen.contains(id));
+        mem.known.retain(|id| seen.contains(id));
         Ok(())
     }
 }

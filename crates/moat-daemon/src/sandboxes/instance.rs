@@ -162,6 +162,9 @@ impl Core {
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
         self.db
             .set_tier_state(&id, SandboxState::Starting, &state)?;
+        if rec.limits.disk_mb > 0 {
+            self.cap_new_disk(&id, tier, &state).await;
+        }
         let agent = Arc::new(agent_client(&id, tier, &state));
         let t = std::time::Instant::now();
         agent.wait_ready(self.settings.agent_timeout).await?;
