@@ -3,6 +3,7 @@
 //! * [`Lifecycle`]: create, look up, list, extend, stats, network policy, pause/resume, delete;
 //! * [`Pool`]: the warm pool (kept full in the background, claimed by creates);
 //! * [`Reaper`]: expiry, idle timeouts and sandboxes whose PID 1 died;
+//! * [`disk::DiskGuard`]: the host's disk: its reserve, sandbox disks capped, refusals when low;
 //! * [`Snapshots`]: snapshots, forks, reset, disk usage;
 //! * [`Templates`]: template operations (list, register, pull, build, delete);
 //! * [`Builds`]: template builds from a spec;
