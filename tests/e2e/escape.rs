@@ -429,7 +429,7 @@ impl HostState {
             None => {}
             Some(Err(e)) => bad.push(format!("before the case: {e}")),
             Some(Ok(before)) => {
-                if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
+                if gone(c, sbx).await.is_some() {
                     // The VM ended itself: its QEMU must be gone, not left running.
                     if is_qemu(before.pid) {
                         bad.push(format!("QEMU (pid {}) outlived its sandbox", before.pid));
@@ -447,7 +447,7 @@ impl HostState {
             None => {}
             Some(Err(e)) => bad.push(format!("before the case: {e}")),
             Some(Ok(before)) => {
-                if c.get_sandbox(sbx).await.is_err_and(|e| e.is_not_found()) {
+                if gone(c, sbx).await.is_some() {
                     if std::path::Path::new(&format!("/proc/{}", before.pid)).exists() {
                         bad.push(format!(
                             "the Sentry (pid {}) outlived its sandbox",
@@ -724,13 +724,11 @@ async fn judge_ended(c: &Client, sbx: &str, case: &Case, broke: &str) -> Verdict
     // Held when the sandbox is gone (nothing of it left running) and the daemon serves a new one.
     let mut gone = None;
     for _ in 0..100 {
-        match c.get_sandbox(sbx).await {
-            Err(e) if e.is_not_found() => {
-                gone = Some(e.to_string());
-                break;
-            }
-            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        if let Some(said) = crate::harness::gone(c, sbx).await {
+            gone = Some(said);
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let Some(said) = gone else {
         return Verdict::Failed(format!(
@@ -1161,7 +1159,7 @@ async fn escape_suite() {
                 };
                 let v = with_host_checks(v, host.changes(&c, &id, vars_ref).await);
                 // A case that ended its worker (held or not) leaves the rest a new one.
-                if c.get_sandbox(&id).await.is_err_and(|e| e.is_not_found()) {
+                if gone(&c, &id).await.is_some() {
                     id = create(&c, "base").await.id;
                 }
                 out.push((case.id.clone(), v));

@@ -597,15 +597,34 @@ pub async fn register_bb(c: &Client, rootfs: &Path) {
     .expect("register the busybox template");
 }
 
-/// Waits until the API no longer knows the sandbox (its row goes last, after the host cleanup).
+/// Waits until the sandbox is gone: deleted (not found) or ended (`state: ended`, kept with why;
+/// its row goes last, after the host cleanup).
 pub async fn wait_not_found(c: &Client, id: &str) {
     for _ in 0..100 {
-        match c.get_sandbox(id).await {
-            Err(e) if e.is_not_found() => return,
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        if gone(c, id).await.is_some() {
+            return;
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("sandbox {id} still listed");
+}
+
+/// How the daemon tells that sandbox `id` is gone: its 404's message (deleted), or its end
+/// ("ended at T (REASON): MESSAGE") when it ended without a request; None while it lives.
+pub async fn gone(c: &Client, id: &str) -> Option<String> {
+    match c.get_sandbox(id).await {
+        Err(e) if e.is_not_found() => Some(e.to_string()),
+        Ok(s) if s.state == moat_api::SandboxState::Ended => {
+            let end = s.ended.expect("an ended sandbox says why");
+            Some(format!(
+                "sandbox {id} ended at {} ({}): {}",
+                end.at,
+                end.reason.as_str(),
+                end.message
+            ))
+        }
+        _ => None,
+    }
 }
 
 /// A process that still runs as the sandbox's host uid or holds one of its namespaces, if any.

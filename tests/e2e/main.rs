@@ -6,6 +6,7 @@ mod harness;
 mod audit;
 mod bad_input;
 mod builds;
+mod causes;
 mod chaos;
 mod cli;
 mod code;

@@ -19,6 +19,8 @@ pub enum ErrorCode {
     Conflict,
     /// 413: the request body is larger than the limit.
     PayloadTooLarge,
+    /// 422: a retried request with an `Idempotency-Key` differs from the first one under that key.
+    Unprocessable,
     /// 504: the operation did not finish in time.
     Timeout,
     /// 503: a needed facility is missing on this host (e.g. an isolation tier).
@@ -40,6 +42,7 @@ impl ErrorCode {
             ErrorCode::NotFound => 404,
             ErrorCode::Conflict => 409,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::Unprocessable => 422,
             ErrorCode::Timeout => 504,
             ErrorCode::Unavailable => 503,
             ErrorCode::InsufficientStorage => 507,
@@ -50,7 +53,8 @@ impl ErrorCode {
     /// Error class for an HTTP status (used by clients that only see the status).
     pub fn from_status(status: u16) -> ErrorCode {
         match status {
-            400 | 422 => ErrorCode::InvalidArgument,
+            400 => ErrorCode::InvalidArgument,
+            422 => ErrorCode::Unprocessable,
             401 => ErrorCode::Unauthorized,
             403 => ErrorCode::PermissionDenied,
             404 => ErrorCode::NotFound,

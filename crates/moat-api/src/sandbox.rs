@@ -54,6 +54,9 @@ pub enum SandboxState {
     Paused,
     /// Being torn down.
     Stopping,
+    /// Gone, for a reason other than a request (`ended` says which); kept 24 h so that a client
+    /// can learn why. A deleted sandbox is simply not found.
+    Ended,
 }
 
 impl SandboxState {
@@ -63,6 +66,7 @@ impl SandboxState {
             SandboxState::Running => "running",
             SandboxState::Paused => "paused",
             SandboxState::Stopping => "stopping",
+            SandboxState::Ended => "ended",
         }
     }
 }
@@ -75,8 +79,9 @@ impl std::str::FromStr for SandboxState {
             "running" => Ok(SandboxState::Running),
             "paused" => Ok(SandboxState::Paused),
             "stopping" => Ok(SandboxState::Stopping),
+            "ended" => Ok(SandboxState::Ended),
             other => Err(format!(
-                "unknown state {other:?} (starting, running, paused, stopping)"
+                "unknown state {other:?} (starting, running, paused, stopping, ended)"
             )),
         }
     }
@@ -249,6 +254,81 @@ pub struct Sandbox {
     /// under TCG (software emulation, where the host's KVM cannot run the guest) says so here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation_note: Option<String>,
+    /// Why it ended, when `state` is `ended` (it ended without a request: its timeout, the OOM
+    /// killer, its agent lost, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<Cause>,
+    /// What went wrong in it while it ran without ending it, the latest of each reason: a process
+    /// the OOM killer ended (`oom`), a fork refused at its pids limit (`pids_exhausted`), its disk
+    /// quota full (`disk_full`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Cause>,
+}
+
+/// Why a sandbox ended, or what degraded it, without anyone asking (docs/failures.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The kernel's OOM killer ended a process at the memory limit (the sandbox's first process,
+    /// its Sentry or its VM: the sandbox).
+    Oom,
+    /// A fork or thread was refused at the pids limit.
+    PidsExhausted,
+    /// The disk quota is full (or the host's disk is down to its reserve).
+    DiskFull,
+    /// Its timeout passed.
+    Timeout,
+    /// Its idle timeout passed with no API request for it.
+    Idle,
+    /// Its agent (the sandbox's first process) exited or was killed.
+    AgentLost,
+    /// Its processes ended with the host or the daemon's restart.
+    HostRestart,
+    /// The node it ran on left the cluster.
+    NodeLost,
+    /// A policy of the daemon ended it.
+    KilledByPolicy,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Oom => "oom",
+            Reason::PidsExhausted => "pids_exhausted",
+            Reason::DiskFull => "disk_full",
+            Reason::Timeout => "timeout",
+            Reason::Idle => "idle",
+            Reason::AgentLost => "agent_lost",
+            Reason::HostRestart => "host_restart",
+            Reason::NodeLost => "node_lost",
+            Reason::KilledByPolicy => "killed_by_policy",
+        }
+    }
+}
+
+/// A sandbox's `ended` or one of its `conditions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Cause {
+    pub reason: Reason,
+    /// RFC 3339: when it happened (for a condition, the latest time).
+    pub at: String,
+    /// What happened, in words (for `oom`, which process).
+    pub message: String,
+    /// For `oom`: the process the OOM killer ended (host pid, name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<String>,
+    /// For a condition: how many times it happened.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub count: u64,
+    /// For an end: the last lines of the sandbox's own log (its agent's, its VM's console).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub log: Vec<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

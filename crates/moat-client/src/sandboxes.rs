@@ -36,7 +36,23 @@ impl Client {
             .await
     }
 
-    /// `GET /v1/sandboxes/{id}`
+    /// `POST /v1/sandboxes` with an `Idempotency-Key`: a retry with the same key and request
+    /// returns the sandbox the first one made (for 24 h); another request under the key is a 422.
+    pub async fn create_sandbox_once(
+        &self,
+        key: &str,
+        req: &CreateSandboxRequest,
+    ) -> Result<Sandbox> {
+        self.send_json(
+            self.request(Method::POST, &["v1", "sandboxes"])
+                .header("Idempotency-Key", key)
+                .json(req),
+        )
+        .await
+    }
+
+    /// `GET /v1/sandboxes/{id}`: a live sandbox, or one that ended without a request in the last
+    /// 24 h (`state: ended`, `ended` saying why).
     pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox> {
         self.send_json(self.request(Method::GET, &["v1", "sandboxes", id]))
             .await

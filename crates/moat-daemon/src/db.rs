@@ -156,6 +156,27 @@ const MIGRATIONS: &[&str] = &[
         created_at_ms INTEGER NOT NULL,
         used_at_ms INTEGER NOT NULL
     );",
+    // 10: failure causes as state: what degraded a live sandbox (the latest of each reason), the
+    // sandboxes that ended without a request (their last state, kept 24 h), and the keys of
+    // idempotent creates (kept 24 h).
+    "CREATE TABLE conditions (
+        sandbox_id TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        cause TEXT NOT NULL,
+        PRIMARY KEY (sandbox_id, reason)
+    );
+    CREATE TABLE ended (
+        id TEXT PRIMARY KEY,
+        at_ms INTEGER NOT NULL,
+        sandbox TEXT NOT NULL
+    );
+    CREATE INDEX ended_at ON ended (at_ms);
+    CREATE TABLE idempotency (
+        key TEXT PRIMARY KEY,
+        body TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        at_ms INTEGER NOT NULL
+    );",
 ];
 
 /// A sandbox row.
@@ -753,7 +774,102 @@ impl Db {
     }
 
     pub fn delete_sandbox(&self, id: &str) -> Result<()> {
-        self.with(|c| c.execute("DELETE FROM sandboxes WHERE id = ?1", [id]))?;
+        self.run(|c| {
+            let tx = c.transaction()?;
+            tx.execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
+            tx.execute("DELETE FROM conditions WHERE sandbox_id = ?1", [id])?;
+            tx.commit()?;
+            Ok(())
+        })
+    }
+
+    /// Records `cause` as sandbox `id`'s condition of its reason (replacing the previous one).
+    pub fn put_condition(&self, id: &str, cause: &moat_api::Cause) -> Result<()> {
+        let json = serde_json::to_string(cause)?;
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO conditions (sandbox_id, reason, cause) VALUES (?1, ?2, ?3)",
+                params![id, cause.reason.as_str(), json],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// The conditions of sandbox `id`, in the order of their reasons' names.
+    pub fn conditions(&self, id: &str) -> Result<Vec<moat_api::Cause>> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT cause FROM conditions WHERE sandbox_id = ?1 ORDER BY reason",
+            )?;
+            let rows = st.query_map([id], |r| parse_json(&r.get::<_, String>(0)?))?;
+            rows.collect()
+        })
+    }
+
+    /// Keeps what an ended sandbox last was (its `ended` filled in).
+    pub fn put_ended(&self, sandbox: &moat_api::Sandbox, at_ms: i64) -> Result<()> {
+        let json = serde_json::to_string(sandbox)?;
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO ended (id, at_ms, sandbox) VALUES (?1, ?2, ?3)",
+                params![sandbox.id, at_ms, json],
+            )
+        })?;
+        Ok(())
+    }
+
+    pub fn get_ended(&self, id: &str) -> Result<Option<moat_api::Sandbox>> {
+        self.with(|c| {
+            c.query_row("SELECT sandbox FROM ended WHERE id = ?1", [id], |r| {
+                parse_json(&r.get::<_, String>(0)?)
+            })
+            .optional()
+        })
+    }
+
+    /// Ended sandboxes, newest first.
+    pub fn list_ended(&self) -> Result<Vec<moat_api::Sandbox>> {
+        self.with(|c| {
+            let mut st = c.prepare_cached("SELECT sandbox FROM ended ORDER BY at_ms DESC")?;
+            let rows = st.query_map([], |r| parse_json(&r.get::<_, String>(0)?))?;
+            rows.collect()
+        })
+    }
+
+    /// Forgets ended sandboxes and idempotency keys older than `before_ms`.
+    pub fn prune_ended(&self, before_ms: i64) -> Result<()> {
+        self.with(|c| {
+            c.execute("DELETE FROM ended WHERE at_ms < ?1", [before_ms])?;
+            c.execute("DELETE FROM idempotency WHERE at_ms < ?1", [before_ms])
+        })?;
+        Ok(())
+    }
+
+    /// The request digest and sandbox of an idempotency key.
+    pub fn idempotency(&self, key: &str) -> Result<Option<(String, String)>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT body, sandbox_id FROM idempotency WHERE key = ?1",
+                [key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+        })
+    }
+
+    pub fn put_idempotency(
+        &self,
+        key: &str,
+        body: &str,
+        sandbox_id: &str,
+        at_ms: i64,
+    ) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO idempotency (key, body, sandbox_id, at_ms) VALUES (?1, ?2, ?3, ?4)",
+                params![key, body, sandbox_id, at_ms],
+            )
+        })?;
         Ok(())
     }
 

@@ -23,6 +23,9 @@ pub enum Error {
     /// `field` names the request field that asked for it.
     #[error("{message}")]
     Unavailable { field: String, message: String },
+    /// A retried request differs from the first one made under the same idempotency key.
+    #[error("{0}")]
+    Unprocessable(String),
     /// A limit of the host was reached (every sandbox slot taken).
     #[error("{0}")]
     Limit(String),

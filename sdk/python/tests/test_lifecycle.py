@@ -47,6 +47,28 @@ def test_set_timeout(daemon):
         while sbx.is_running() and time.time() < deadline:
             time.sleep(0.3)
         assert not sbx.is_running(), "the sandbox outlived its timeout"
+        # It ended on its own: its info says why and when, and connecting says so.
+        info = sbx.get_info()
+        assert info.state == "ended" and info.ended is not None
+        assert info.ended.reason == "timeout" and info.ended.at
+        with pytest.raises(moat.NotFoundError) as e:
+            Sandbox.connect(sbx.id)
+        assert "(timeout)" in str(e.value)
+
+
+def test_idempotent_create(daemon):
+    import uuid
+    key = str(uuid.uuid4())
+    a = Sandbox.create(timeout=120, metadata={"k": key}, idempotency_key=key)
+    try:
+        b = Sandbox.create(timeout=120, metadata={"k": key}, idempotency_key=key)
+        assert b.id == a.id
+        assert len(Sandbox.list(metadata={"k": key})) == 1
+        with pytest.raises(moat.IdempotencyError) as e:
+            Sandbox.create(timeout=121, metadata={"k": key}, idempotency_key=key)
+        assert e.value.status == 422 and e.value.field == "Idempotency-Key"
+    finally:
+        a.kill()
 
 
 def test_errors_map_to_exception_classes(daemon):

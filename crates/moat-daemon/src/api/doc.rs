@@ -387,16 +387,22 @@ mod tests {
     }
 
     #[test]
-    fn path_parameters_are_the_paths_and_the_rest_are_queries() {
+    fn path_parameters_are_the_paths_and_the_rest_are_queries_or_named_headers() {
         let doc = document(&bounds());
         for (path, method, op) in operations(&doc) {
             for p in op["parameters"].as_array().into_iter().flatten() {
                 let name = p["name"].as_str().unwrap_or_default();
                 let in_path = path.contains(&format!("{{{name}}}"));
                 let place = p["in"].as_str().unwrap_or_default();
+                // Headers are declared only where the API reads one (an idempotent create).
+                let header = name == crate::sandboxes::IDEMPOTENCY_KEY;
                 assert_eq!(
                     place,
-                    if in_path { "path" } else { "query" },
+                    match (in_path, header) {
+                        (true, _) => "path",
+                        (false, true) => "header",
+                        (false, false) => "query",
+                    },
                     "{method} {path}: parameter {name}"
                 );
             }

@@ -6,6 +6,7 @@ use moat_api::{ErrorBody, ErrorCode};
 
 use crate::agent::AgentError;
 use crate::error::Error;
+use crate::sandboxes::IDEMPOTENCY_KEY;
 use crate::tier::TierError;
 
 #[derive(Debug)]
@@ -61,6 +62,9 @@ impl From<Error> for ApiError {
                 with_field(ErrorCode::Unavailable, field, message)
             }
             Error::Limit(m) => ApiError::new(ErrorCode::Unavailable, m),
+            Error::Unprocessable(m) => {
+                ApiError(ErrorBody::new(ErrorCode::Unprocessable, m).with_field(IDEMPOTENCY_KEY))
+            }
             Error::NoSpace(m) => ApiError::new(ErrorCode::InsufficientStorage, m),
             // A refusal is written for the user: it says what and why.
             Error::Tier {

@@ -10,29 +10,47 @@ use moat_api::{CreateSandboxRequest, Sandbox, SandboxList, SandboxState, SetTime
 use super::error::{ApiError, ApiResult};
 use super::St;
 use crate::api::extract::{query_values, JsonBody};
-use crate::sandboxes::ListFilter;
+use crate::sandboxes::{ListFilter, IDEMPOTENCY_KEY};
 
-/// Create a sandbox.
+/// Create a sandbox. With an `Idempotency-Key` header, a retry of the same request (its answer
+/// lost) returns the sandbox the first one made (`Idempotent-Replayed: true`) for 24 h; another
+/// request under the same key is a 422.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "1 to 255 visible ASCII characters; a retry with the same key and body returns the same sandbox")),
     responses((status = 201, body = Sandbox), (status = 400, body = moat_api::ErrorBody),
               (status = 404, description = "unknown template", body = moat_api::ErrorBody),
-              (status = 413, body = moat_api::ErrorBody)))]
+              (status = 413, body = moat_api::ErrorBody),
+              (status = 422, description = "the Idempotency-Key was used for another request", body = moat_api::ErrorBody)))]
 pub async fn create(
     State(st): St,
+    headers: axum::http::HeaderMap,
     JsonBody(req): JsonBody<CreateSandboxRequest>,
-) -> ApiResult<(
-    StatusCode,
-    axum::Extension<super::AuditSandbox>,
-    Json<Sandbox>,
-)> {
-    let sbx = st.sandboxes.create(req).await?;
+) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    let key = match headers.get(IDEMPOTENCY_KEY) {
+        None => None,
+        Some(v) => Some(v.to_str().map_err(|_| {
+            ApiError::invalid(IDEMPOTENCY_KEY, "an Idempotency-Key is visible ASCII")
+        })?),
+    };
+    let (sbx, replayed) = match key {
+        Some(k) => st.sandboxes.create_once(k, req).await?,
+        None => (st.sandboxes.create(req).await?, false),
+    };
     let note = axum::Extension(super::AuditSandbox(sbx.id.clone()));
-    Ok((StatusCode::CREATED, note, Json(sbx)))
+    let mut r = (StatusCode::CREATED, note, Json(sbx)).into_response();
+    if replayed {
+        r.headers_mut().insert(
+            "idempotent-replayed",
+            axum::http::HeaderValue::from_static("true"),
+        );
+    }
+    Ok(r)
 }
 
 /// List sandboxes, optionally filtered by state and metadata labels.
 #[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes",
-    params(("state" = Option<String>, Query, description = "starting | running | paused | stopping"),
+    params(("state" = Option<String>, Query, description = "starting | running | paused | stopping | ended (those that ended without a request in the last 24 h)"),
            ("metadata" = Option<Vec<String>>, Query, description = "key=value; repeat for more (all must match)")),
     responses((status = 200, body = SandboxList), (status = 400, body = moat_api::ErrorBody)))]
 pub async fn list(State(st): St, req: Request) -> ApiResult<Json<SandboxList>> {
@@ -69,28 +87,12 @@ pub async fn list(State(st): St, req: Request) -> ApiResult<Json<SandboxList>> {
 }
 
 /// Get one sandbox. One that ended without being asked to (its timeout, its agent lost, the OOM
-/// killer) is a 404 whose message says when and why (the audit log's `sandbox.ended`).
+/// killer) is kept for 24 h with `state: ended` and `ended` saying when and why; a deleted one is a
+/// 404.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes", params(("id" = String, Path)),
     responses((status = 200, body = Sandbox), (status = 404, body = moat_api::ErrorBody)))]
 pub async fn get(State(st): St, Path(id): Path<String>) -> ApiResult<Json<Sandbox>> {
-    match st.sandboxes.get(&id) {
-        Err(crate::error::Error::NotFound { .. }) if crate::ids::valid_sandbox_id(&id) => {
-            Err(gone(&st, &id).await)
-        }
-        r => Ok(Json(r?)),
-    }
-}
-
-/// The 404 of a sandbox that is not there: with when and why it ended, when the log knows.
-pub(crate) async fn gone(st: &super::AppState, id: &str) -> ApiError {
-    let msg = match st.audit.end_of(id).await {
-        Some((at_ms, reason, message)) => format!(
-            "sandbox {id} ended at {} ({reason}): {message}",
-            crate::clock::rfc3339(at_ms)
-        ),
-        None => format!("sandbox {id} not found"),
-    };
-    ApiError::not_found("id", msg)
+    Ok(Json(st.sandboxes.inspect(&id).await?))
 }
 
 /// Kill a sandbox and remove everything it had.

@@ -98,6 +98,7 @@ impl From<crate::api::error::ApiError> for ConnectError {
             E::PayloadTooLarge => Code::ResourceExhausted,
             E::Unavailable => Code::Unavailable,
             E::InsufficientStorage => Code::ResourceExhausted,
+            E::Unprocessable => Code::InvalidArgument,
             _ => Code::Internal,
         };
         ConnectError::new(code, e.0.error.message)

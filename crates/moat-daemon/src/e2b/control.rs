@@ -78,9 +78,13 @@ pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
     let segs: Vec<String> = path.trim_matches('/').split('/').map(percent).collect();
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let query = req.uri().query().map(str::to_string);
+    let idempotency_key = req
+        .headers()
+        .get(crate::sandboxes::IDEMPOTENCY_KEY)
+        .map(|v| v.to_str().map(str::to_string));
     let body = req.into_body();
     let (resp, sandbox) = match (method.clone(), segs.as_slice()) {
-        (http::Method::POST, ["v2", "sandboxes"] | ["sandboxes"]) => match create(e, body).await {
+        (http::Method::POST, ["v2", "sandboxes"] | ["sandboxes"]) => match create(e, body, idempotency_key).await {
             Ok((r, id)) => (r, Some(id)),
             Err(r) => (r, None),
         },
@@ -304,7 +308,17 @@ fn template_id_of(s: &Sandbox) -> String {
 /// differ: `code-interpreter-v1` runs moat's `code-interpreter`).
 const TEMPLATE_LABEL: &str = "e2b.template";
 
-async fn create(e: &Arc<E2b>, body: Body) -> Result<(Response, String), Response> {
+async fn create(
+    e: &Arc<E2b>,
+    body: Body,
+    idempotency_key: Option<Result<String, http::header::ToStrError>>,
+) -> Result<(Response, String), Response> {
+    let key = idempotency_key.transpose().map_err(|_| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "Idempotency-Key: an Idempotency-Key is visible ASCII",
+        )
+    })?;
     let req: NewSandbox = json_body(body).await?;
     let template_id = req.template_id.clone().unwrap_or_else(|| "base".into());
     if req.auto_resume.as_ref().is_some_and(|a| a.enabled) {
@@ -365,7 +379,16 @@ async fn create(e: &Arc<E2b>, body: Body) -> Result<(Response, String), Response
         allow_public_traffic: net.allow_public_traffic,
         ..Default::default()
     };
-    let s = e.app.sandboxes.create(create).await.map_err(|err| {
+    let made = match key {
+        Some(k) => e
+            .app
+            .sandboxes
+            .create_once(&k, create)
+            .await
+            .map(|(s, _)| s),
+        None => e.app.sandboxes.create(create).await,
+    };
+    let s = made.map_err(|err| {
         let not_found = matches!(err, Error::NotFound { .. }) || err.field() == Some("template");
         if not_found {
             error(

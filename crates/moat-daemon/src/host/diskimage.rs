@@ -203,6 +203,13 @@ pub fn used(dir: &Path) -> Result<(u64, u64)> {
     Ok((bytes, inodes))
 }
 
+/// Bytes the filesystem mounted at `dir` can still give an unprivileged writer (f_bavail).
+pub fn available(dir: &Path) -> Result<u64> {
+    let s =
+        nix::sys::statvfs::statvfs(dir).with_context(|| format!("statvfs {}", dir.display()))?;
+    Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
+}
+
 /// The ext4 sysfs directory (`/sys/fs/ext4/<device>`) of the filesystem mounted at `dir`.
 fn ext4_sysfs(dir: &Path) -> Result<PathBuf> {
     let st = nix::sys::stat::stat(dir).with_context(|| format!("stat {}", dir.display()))?;

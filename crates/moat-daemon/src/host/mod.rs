@@ -5,6 +5,7 @@ pub mod caps;
 pub mod cgroup;
 pub mod diskimage;
 pub mod egress;
+pub mod kmsg;
 pub mod mount;
 pub mod net;
 pub mod proc;

@@ -101,6 +101,18 @@ pub fn reap(pid: u32) {
     }
 }
 
+/// When the host booted, milliseconds since the epoch (`btime` of /proc/stat).
+pub fn boot_time_ms() -> Option<i64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let secs: i64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(secs * 1000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

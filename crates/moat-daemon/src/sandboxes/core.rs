@@ -85,8 +85,7 @@ pub struct Bounds {
 #[derive(Debug, Clone)]
 pub struct Ended {
     pub id: String,
-    /// `timeout`, `idle`, `agent_lost` or `oom`.
-    pub reason: &'static str,
+    pub reason: moat_api::Reason,
     pub message: String,
 }
 
@@ -113,6 +112,8 @@ pub struct Core {
     /// Sandboxes whose instance is being started now (a create, a reset, a resume over files): a
     /// row `starting` that is not here has no owner and is removed.
     starting: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Idempotency keys with a create in flight (one create per key at a time).
+    pub(super) keys_in_flight: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Sandboxes that ended without being asked to, for whoever listens ([`Core::ends`]).
     ends: tokio::sync::broadcast::Sender<Ended>,
     /// A sandbox's disk was capped as it started (the disk guard looks at every one then).
@@ -170,6 +171,8 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         access_token: r.access_token.clone(),
         allow_public_traffic: r.public_traffic,
         isolation_note: None,
+        ended: None,
+        conditions: Vec::new(),
     }
 }
 
@@ -252,6 +255,7 @@ impl Core {
             op_locks: std::sync::Mutex::new(HashMap::new()),
             layer_lock: std::sync::Mutex::new(()),
             starting: std::sync::Mutex::new(std::collections::HashSet::new()),
+            keys_in_flight: std::sync::Mutex::new(HashMap::new()),
             ends: tokio::sync::broadcast::channel(4096).0,
             disk_capped_at_start: std::sync::atomic::AtomicBool::new(false),
         }
@@ -263,7 +267,7 @@ impl Core {
     }
 
     /// Tells the listeners that sandbox `id` ended, and why.
-    pub(super) fn ended(&self, id: &str, reason: &'static str, message: String) {
+    pub(super) fn ended(&self, id: &str, reason: moat_api::Reason, message: String) {
         let _ = self.ends.send(Ended {
             id: id.to_string(),
             reason,
@@ -271,9 +275,13 @@ impl Core {
         });
     }
 
-    /// A sandbox as the API shows it (with its network, which the tier knows).
+    /// A sandbox as the API shows it (with its network, which the tier knows, and its conditions).
     pub(super) fn api(&self, r: &SandboxRecord) -> Sandbox {
         let mut out = to_api(r);
+        out.conditions = self.db.conditions(&r.id).unwrap_or_else(|e| {
+            tracing::warn!(sandbox = %r.id, "conditions: {e:#}");
+            Vec::new()
+        });
         if let (Some(state), Some(tier)) = (&r.tier_state, self.tiers.get(&r.isolation)) {
             out.isolation_note = tier.sandbox_note(state);
         }
@@ -419,11 +427,10 @@ impl Core {
         if !valid_sandbox_id(id) {
             return Err(Error::not_found("id", format!("sandbox {id:?} not found")));
         }
-        let rec = self
-            .db
-            .get_sandbox(id)?
-            .filter(|r| !r.pooled)
-            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
+        let rec = match self.db.get_sandbox(id)?.filter(|r| !r.pooled) {
+            Some(r) => r,
+            None => return Err(self.gone(id)),
+        };
         // Every request for a sandbox goes through here: it restarts the idle clock.
         let now = now_ms();
         if now - rec.last_active_ms >= TOUCH_EVERY_MS {
@@ -443,11 +450,10 @@ impl Core {
     /// The agent connection of a running sandbox, without counting as activity (for the daemon's own
     /// polling, which must not keep a sandbox from its idle timeout).
     pub async fn agent_untouched(&self, id: &str) -> Result<Arc<AgentClient>, Error> {
-        let rec = self
-            .db
-            .get_sandbox(id)?
-            .filter(|r| !r.pooled)
-            .ok_or_else(|| Error::not_found("id", format!("sandbox {id} not found")))?;
+        let rec = match self.db.get_sandbox(id)?.filter(|r| !r.pooled) {
+            Some(r) => r,
+            None => return Err(self.gone(id)),
+        };
         self.agent_of(rec).await
     }
 

@@ -65,7 +65,7 @@ impl Lifecycle {
         detached(async move { this.create_now(req).await }).await
     }
 
-    async fn create_now(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
+    pub(super) async fn create_now(&self, req: CreateSandboxRequest) -> Result<Sandbox, Error> {
         self.validate(&req)?;
         self.check_disk()?;
         let snapshot = match &req.snapshot {
@@ -143,7 +143,38 @@ impl Lifecycle {
         Ok(self.api(&rec))
     }
 
+    /// A sandbox: a live one (its disk looked at for `disk_full`), or what one that ended without
+    /// a request was, with why (`state: ended`; kept 24 h).
+    pub async fn inspect(&self, id: &str) -> Result<Sandbox, Error> {
+        let rec = match self.record(id) {
+            Ok(r) => r,
+            Err(e @ Error::NotFound { .. }) => return self.ended_sandbox(id).ok_or(e),
+            Err(e) => return Err(e),
+        };
+        if let (SandboxState::Running, Some(state), true) =
+            (rec.state, &rec.tier_state, rec.limits.disk_mb > 0)
+        {
+            if let Ok(u) = self.tier(rec.isolation)?.usage(id, state).await {
+                self.note_disk(&rec, &u);
+            }
+        }
+        Ok(self.api(&rec))
+    }
+
     pub fn list(&self, filter: &ListFilter) -> Result<Vec<Sandbox>, Error> {
+        if filter.state == Some(SandboxState::Ended) {
+            return Ok(self
+                .db
+                .list_ended()?
+                .into_iter()
+                .filter(|s| {
+                    filter
+                        .metadata
+                        .iter()
+                        .all(|(k, v)| s.metadata.get(k) == Some(v))
+                })
+                .collect());
+        }
         Ok(self
             .db
             .list_sandboxes()?
@@ -218,6 +249,7 @@ impl Lifecycle {
                 .map_err(|e| Error::internal(format!("sandbox {id}: usage: {e:#}")))
         };
         let mut u = read().await?;
+        self.note_disk(&rec, &u);
         let now = std::time::Instant::now();
         let prev = self
             .cpu_samples

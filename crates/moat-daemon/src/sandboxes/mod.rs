@@ -27,9 +27,11 @@ use crate::template::store::TemplateStore;
 use crate::tier::IsolationTier;
 
 pub mod builds;
+pub mod causes;
 pub mod core;
 pub mod disk;
 mod exits;
+mod idempotency;
 mod instance;
 mod lifecycle;
 mod pool;
@@ -44,6 +46,7 @@ mod validate;
 
 pub use builds::{Builds, LiveBuild, BUILD_LABEL};
 pub use core::{Bounds, Ended};
+pub use idempotency::IDEMPOTENCY_KEY;
 pub use lifecycle::{Lifecycle, ListFilter};
 pub use pool::Pool;
 pub use reaper::Reaper;
@@ -160,5 +163,14 @@ impl Services {
         tokio::spawn(self.reaper.clone().run());
         tokio::spawn(self.pool.clone().run());
         tokio::spawn(self.disk.clone().run());
+        let (tx, mut notes) = tokio::sync::mpsc::unbounded_channel();
+        if crate::host::kmsg::watch(tx) {
+            let core = self.sandboxes.core().clone();
+            tokio::spawn(async move {
+                while let Some(note) = notes.recv().await {
+                    core.kernel_note(&note);
+                }
+            });
+        }
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use moat_api::SandboxState;
+use moat_api::{Reason, SandboxState};
 use tokio::sync::mpsc;
 
 use super::core::files_only;
@@ -66,8 +66,8 @@ impl Reaper {
         let ids = match (self.sandboxes.db.expired(now), self.sandboxes.db.idle(now)) {
             (Ok(expired), Ok(idle)) => expired
                 .into_iter()
-                .map(|id| (id, "timeout"))
-                .chain(idle.into_iter().map(|id| (id, "idle")))
+                .map(|id| (id, Reason::Timeout))
+                .chain(idle.into_iter().map(|id| (id, Reason::Idle)))
                 .collect::<Vec<_>>(),
             (Err(e), _) | (_, Err(e)) => {
                 tracing::error!("expiry query: {e:#}");
@@ -87,17 +87,16 @@ impl Reaper {
                     continue;
                 }
                 tracing::info!(sandbox = %id, "timeout or idle timeout passed");
-                match self.sandboxes.destroy(rec).await {
-                    Ok(()) => self.sandboxes.ended(
-                        &id,
-                        reason,
-                        if reason == "idle" {
-                            "its idle timeout passed without an API request for it".into()
-                        } else {
-                            "its timeout passed".into()
-                        },
-                    ),
-                    Err(e) => tracing::error!(sandbox = %id, "expire: {e:#}"),
+                let message = if reason == Reason::Idle {
+                    format!(
+                        "its idle timeout ({} s) passed without an API request for it",
+                        rec.limits.idle_timeout
+                    )
+                } else {
+                    "its timeout passed".into()
+                };
+                if let Err(e) = self.sandboxes.end(rec, reason, message).await {
+                    tracing::error!(sandbox = %id, "expire: {e:#}");
                 }
             }
         }
@@ -186,17 +185,25 @@ impl Reaper {
             .unwrap_or(0);
         let (reason, message) = if oom_kills > 0 {
             tracing::warn!(sandbox = %id, oom_kills, "it ran out of memory: the host's OOM killer ended it; removing the sandbox");
-            ("oom", format!("it reached its memory limit ({} MiB) and the kernel's OOM killer ended it ({oom_kills} kill(s))", rec.limits.memory_mb))
+            let which = self
+                .sandboxes
+                .db
+                .conditions(id)
+                .ok()
+                .and_then(|cs| cs.into_iter().find(|c| c.reason == Reason::Oom))
+                .and_then(|c| c.process)
+                .map(|p| format!(" (last killed: process {p})"))
+                .unwrap_or_default();
+            (Reason::Oom, format!("it reached its memory limit ({} MiB) and the kernel's OOM killer ended it ({oom_kills} kill(s){which})", rec.limits.memory_mb))
         } else {
             tracing::warn!(sandbox = %id, "its PID 1 is gone; removing the sandbox");
             (
-                "agent_lost",
+                Reason::AgentLost,
                 "its agent (the sandbox's first process) exited or was killed".to_string(),
             )
         };
-        match self.sandboxes.destroy(rec).await {
-            Ok(()) => self.sandboxes.ended(id, reason, message),
-            Err(e) => tracing::error!("{e:#}"),
+        if let Err(e) = self.sandboxes.end(rec, reason, message).await {
+            tracing::error!("{e:#}");
         }
     }
 }

@@ -88,14 +88,20 @@ impl Services {
                 }
             }
             tracing::warn!(sandbox = %rec.id, state = rec.state.as_str(), "not running any more; removing");
-            let id = rec.id.clone();
-            match core.destroy(rec).await {
-                Ok(()) => core.ended(
-                    &id,
-                    "agent_lost",
-                    "its processes ended while the daemon was down (a host restart, or its agent was killed)".into(),
+            // The host booted after the sandbox was made: its processes ended with the host.
+            let (reason, message) = match crate::host::proc::boot_time_ms() {
+                Some(boot) if boot > rec.created_at_ms => (
+                    moat_api::Reason::HostRestart,
+                    "its processes ended with the host (it restarted while the sandbox ran)".to_string(),
                 ),
-                Err(e) => tracing::error!("{e:#}"),
+                _ => (
+                    moat_api::Reason::AgentLost,
+                    "its processes ended while the daemon was down (its agent exited or was killed)"
+                        .to_string(),
+                ),
+            };
+            if let Err(e) = core.end(rec, reason, message).await {
+                tracing::error!("{e:#}");
             }
         }
         // One host network serves every tier (one nft table, one address space): each tier gets the

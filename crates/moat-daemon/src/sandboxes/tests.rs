@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use moat_api::protocol::Route;
 use moat_api::{
-    CreateSandboxRequest, Isolation, OnTimeout, ResumeRequest, SandboxState, StartSpec,
+    CreateSandboxRequest, Isolation, OnTimeout, Reason, ResumeRequest, SandboxState, StartSpec,
     TemplateConfig, TemplateSource, TemplateStatus,
 };
 
@@ -433,14 +433,50 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
     });
     // Each end is told with its reason; a pause is no end.
     let mut told = [ends.try_recv().unwrap(), ends.try_recv().unwrap()];
-    told.sort_by_key(|e| e.reason);
+    told.sort_by_key(|e| e.reason.as_str());
     assert_eq!(
         told.iter()
             .map(|e| (e.id.as_str(), e.reason))
             .collect::<Vec<_>>(),
-        [(idle.id.as_str(), "idle"), (killed.id.as_str(), "timeout")]
+        [
+            (idle.id.as_str(), Reason::Idle),
+            (killed.id.as_str(), Reason::Timeout)
+        ]
     );
     assert!(ends.try_recv().is_err());
+    // What each was is kept with why it ended: `state: ended` in a look-up, listed as ended, and
+    // every other call's 404 says why.
+    for (id, reason) in [(&killed.id, Reason::Timeout), (&idle.id, Reason::Idle)] {
+        let s = w.s.sandboxes.inspect(id).await.unwrap();
+        assert_eq!(s.state, SandboxState::Ended);
+        let end = s.ended.unwrap();
+        assert_eq!(end.reason, reason);
+        assert!(!end.at.is_empty());
+        match w.s.sandboxes.get(id) {
+            Err(Error::NotFound { message, .. }) => {
+                assert!(
+                    message.contains(&format!("({})", reason.as_str())),
+                    "{message}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let ended =
+        w.s.sandboxes
+            .list(&ListFilter {
+                state: Some(SandboxState::Ended),
+                ..Default::default()
+            })
+            .unwrap();
+    assert_eq!(ended.len(), 2);
+    assert!(w
+        .s
+        .sandboxes
+        .list(&ListFilter::default())
+        .unwrap()
+        .iter()
+        .all(|s| s.state != SandboxState::Ended));
 }
 
 #[tokio::test]
@@ -547,11 +583,137 @@ async fn a_sandbox_whose_pid_1_died_is_removed() {
     let end = ends.try_recv().unwrap();
     assert_eq!(
         (end.id.as_str(), end.reason),
-        (sbx.id.as_str(), "agent_lost")
+        (sbx.id.as_str(), Reason::AgentLost)
     );
     assert!(matches!(
         w.s.sandboxes.delete(&sbx.id).await,
         Err(Error::NotFound { .. })
+    ));
+    assert_eq!(
+        w.s.sandboxes
+            .inspect(&sbx.id)
+            .await
+            .unwrap()
+            .ended
+            .unwrap()
+            .reason,
+        Reason::AgentLost
+    );
+}
+
+#[tokio::test]
+async fn a_deleted_sandbox_is_not_found_and_leaves_no_record_of_an_end() {
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    w.s.sandboxes.delete(&sbx.id).await.unwrap();
+    assert!(matches!(
+        w.s.sandboxes.inspect(&sbx.id).await,
+        Err(Error::NotFound { .. })
+    ));
+}
+
+#[tokio::test]
+async fn the_kernels_notes_become_conditions_of_the_sandbox_they_name() {
+    use crate::host::kmsg::{KernelEvent, KernelNote};
+    let w = world();
+    let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let other = w.s.sandboxes.create(Default::default()).await.unwrap();
+    let core = w.s.sandboxes.core();
+    for _ in 0..2 {
+        core.kernel_note(&KernelNote {
+            cgroup: format!("/moat/{}", sbx.id),
+            event: KernelEvent::OomKill {
+                task: "python3".into(),
+                pid: 4242,
+            },
+        });
+    }
+    core.kernel_note(&KernelNote {
+        cgroup: format!("/moat-1a2b3c4d/{}", sbx.id),
+        event: KernelEvent::ForkRejected,
+    });
+    // A cgroup of no sandbox of this daemon: nothing.
+    core.kernel_note(&KernelNote {
+        cgroup: format!("/moat/{}", crate::ids::new_sandbox_id()),
+        event: KernelEvent::ForkRejected,
+    });
+    let got = w.s.sandboxes.inspect(&sbx.id).await.unwrap().conditions;
+    assert_eq!(
+        got.iter()
+            .map(|c| (c.reason, c.count, c.process.clone()))
+            .collect::<Vec<_>>(),
+        [
+            (Reason::Oom, 2, Some("4242 (python3)".to_string())),
+            (Reason::PidsExhausted, 1, None)
+        ]
+    );
+    assert!(
+        got[0].message.contains("4242 (python3)"),
+        "{}",
+        got[0].message
+    );
+    assert!(w
+        .s
+        .sandboxes
+        .inspect(&other.id)
+        .await
+        .unwrap()
+        .conditions
+        .is_empty());
+    // They go with the sandbox.
+    w.s.sandboxes.delete(&sbx.id).await.unwrap();
+    assert!(w.db.conditions(&sbx.id).unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_idempotent_create_retried_returns_the_first_sandbox() {
+    let w = world();
+    let req = CreateSandboxRequest {
+        metadata: [("task".to_string(), "a".to_string())].into(),
+        ..Default::default()
+    };
+    let (first, replayed) =
+        w.s.sandboxes
+            .create_once("key-1", req.clone())
+            .await
+            .unwrap();
+    assert!(!replayed);
+    let (again, replayed) =
+        w.s.sandboxes
+            .create_once("key-1", req.clone())
+            .await
+            .unwrap();
+    assert!(replayed);
+    assert_eq!(again.id, first.id);
+    assert_eq!(rows(&w.db), vec![first.id.clone()]);
+    // Another request under the key: refused, nothing made.
+    let other = CreateSandboxRequest {
+        metadata: [("task".to_string(), "b".to_string())].into(),
+        ..Default::default()
+    };
+    assert!(matches!(
+        w.s.sandboxes.create_once("key-1", other.clone()).await,
+        Err(Error::Unprocessable(_))
+    ));
+    assert_eq!(rows(&w.db).len(), 1);
+    // Retries at the same time make one sandbox between them.
+    let (a, b) = tokio::join!(
+        w.s.sandboxes.create_once("key-2", other.clone()),
+        w.s.sandboxes.create_once("key-2", other.clone())
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.0.id, b.0.id);
+    assert!(a.1 != b.1, "one made it, the other was replayed");
+    assert_eq!(rows(&w.db).len(), 2);
+    // Once its sandbox is deleted, the key says so rather than making another.
+    w.s.sandboxes.delete(&first.id).await.unwrap();
+    assert!(matches!(
+        w.s.sandboxes.create_once("key-1", req).await,
+        Err(Error::Conflict(m)) if m.contains(&first.id)
+    ));
+    assert!(matches!(
+        w.s.sandboxes.create_once("bad key", Default::default()).await,
+        Err(Error::Invalid { field, .. }) if field == "Idempotency-Key"
     ));
 }
 

@@ -59,6 +59,15 @@ pub fn usage(dir: &Path) -> Result<(u64, u64)> {
     }
 }
 
+/// What the writable layer of the sandbox directory `dir` can still take (its quota image's
+/// available bytes); None without a quota image.
+pub fn room(dir: &Path) -> Option<u64> {
+    if !dir.join("disk.img").exists() {
+        return None;
+    }
+    diskimage::available(&dir.join("disk")).ok()
+}
+
 /// Caps what the writable layer of the sandbox directory `dir` may still write at `room` bytes
 /// (None: its quota only); None when it has no quota image (its writes go to the host's
 /// filesystem directly and no cap applies).

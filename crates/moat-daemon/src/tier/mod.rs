@@ -90,6 +90,9 @@ pub struct TierUsage {
     pub oom_kills: u64,
     pub disk_bytes: u64,
     pub disk_inodes: u64,
+    /// What its writable layer can still take (its quota image's available bytes); None where the
+    /// host cannot tell (no quota image, a VM's own filesystem).
+    pub disk_free_bytes: Option<u64>,
 }
 
 impl TierUsage {
@@ -103,7 +106,14 @@ impl TierUsage {
             oom_kills: cgroup.oom_kills,
             disk_bytes,
             disk_inodes,
+            disk_free_bytes: None,
         }
+    }
+
+    /// With what the writable layer can still take.
+    pub fn with_free(mut self, free: Option<u64>) -> Self {
+        self.disk_free_bytes = free;
+        self
     }
 }
 
@@ -163,6 +173,12 @@ pub trait Tier: Send + Sync + 'static {
 
     /// Opens a new byte stream to the sandbox's agent.
     async fn connect(&self, id: &str, state: &Self::State) -> Result<AgentStream>;
+
+    /// The last lines of the sandbox's own log (its agent's stderr, its VM's console), for the
+    /// record of why it ended; read before `destroy`.
+    fn last_words(&self, _id: &str, _state: Option<&Self::State>) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Whether the sandbox still runs (re-adoption after a restart, the reaper). `Unknown` when the
     /// host cannot tell (the daemon out of file descriptors): never a reason to remove it.
@@ -272,6 +288,7 @@ pub trait IsolationTier: Send + Sync {
     async fn create(&self, spec: &SandboxSpec) -> Result<serde_json::Value, TierError>;
     fn sandbox_note(&self, state: &serde_json::Value) -> Option<String>;
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError>;
+    fn last_words(&self, id: &str, state: Option<&serde_json::Value>) -> Vec<String>;
     async fn is_alive(&self, id: &str, state: &serde_json::Value) -> Liveness;
     fn watched_process(&self, state: &serde_json::Value) -> Option<(u32, u64)>;
     async fn set_limits(
@@ -351,6 +368,10 @@ impl<T: Tier> IsolationTier for T {
     }
     async fn connect(&self, id: &str, state: &serde_json::Value) -> Result<AgentStream, TierError> {
         Ok(Tier::connect(self, id, &decode::<T>(state)?).await?)
+    }
+    fn last_words(&self, id: &str, state: Option<&serde_json::Value>) -> Vec<String> {
+        let state = state.and_then(|s| decode::<T>(s).ok());
+        Tier::last_words(self, id, state.as_ref())
     }
     fn watched_process(&self, state: &serde_json::Value) -> Option<(u32, u64)> {
         Tier::watched_process(self, &decode::<T>(state).ok()?)
@@ -491,4 +512,33 @@ where
         }
     }
     res
+}
+
+/// The last `lines` lines of a log file, read from its last 16 KiB (a log may be large; its tail
+/// is what says why something ended). Lines are cut at 500 characters.
+pub fn log_tail(path: &std::path::Path, lines: usize) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(16 << 10);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(from)).is_err() || f.take(16 << 10).read_to_end(&mut buf).is_err() {
+        return Vec::new();
+    }
+    tail_lines(&String::from_utf8_lossy(&buf), lines)
+}
+
+/// The last `lines` non-empty lines of `text`, each cut at 500 characters.
+pub fn tail_lines(text: &str, lines: usize) -> Vec<String> {
+    let all: Vec<&str> = text
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.is_empty())
+        .collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|l| l.chars().take(500).collect())
+        .collect()
 }

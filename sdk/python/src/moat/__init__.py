@@ -9,7 +9,7 @@
 from .aio import AsyncCommandHandle, AsyncNetworkLogStream, AsyncPtyHandle, AsyncSandbox, AsyncWatchHandle
 from .commands import CommandHandle, Commands
 from .exceptions import (AuthenticationError, CommandExitException, CommandTimeoutError, ConflictError,
-                         InternalError, InvalidArgumentError, MoatError, NotFoundError, NotSupportedError,
+                         IdempotencyError, InternalError, InvalidArgumentError, MoatError, NotFoundError, NotSupportedError,
                          PayloadTooLargeError, PermissionDeniedError, SandboxTimeoutError, UnavailableError)
 from .files import FileStream, Filesystem, WatchHandle
 from .models import (CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
@@ -29,6 +29,6 @@ __all__ = [
     "NetworkInfo", "NetworkLogEntry", "NetworkPolicy", "NetworkProposal", "ObservedDestination", "ProcessEvent",
     "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo", "TemplateInfo", "WriteEntry",
     "MoatError", "InvalidArgumentError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",
-    "ConflictError", "PayloadTooLargeError", "SandboxTimeoutError", "UnavailableError", "InternalError",
+    "ConflictError", "IdempotencyError", "PayloadTooLargeError", "SandboxTimeoutError", "UnavailableError", "InternalError",
     "NotSupportedError", "CommandExitException", "CommandTimeoutError",
 ]

@@ -6,7 +6,7 @@ import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from urllib.parse import quote, urlsplit
 
-from .exceptions import CommandExitException, CommandTimeoutError, InvalidArgumentError
+from .exceptions import CommandExitException, CommandTimeoutError, InvalidArgumentError, NotFoundError
 from .models import CommandResult, Execution, ExecutionError, NetworkPolicy, ProcessEvent, Result, SnapshotInfo
 
 Cmd = Union[str, Sequence[str]]
@@ -15,6 +15,20 @@ OutputHandler = Optional[Callable[[str], Any]]
 PolicyLike = Union[NetworkPolicy, Dict[str, Any]]  # a policy object or its JSON form
 
 DEFAULT_COMMAND_TIMEOUT = 60.0
+
+
+def idempotency_headers(key: Optional[str]) -> Dict[str, str]:
+    """The header that makes a create idempotent: a retry with the same key returns the same sandbox."""
+    return {"Idempotency-Key": key} if key else {}
+
+
+def ended_error(d: Dict[str, Any]) -> Optional[NotFoundError]:
+    """The NotFoundError of a sandbox that ended on its own (``state == "ended"``), saying why."""
+    if d.get("state") != "ended":
+        return None
+    e = d.get("ended") or {}
+    return NotFoundError(f"sandbox {d.get('id')} ended at {e.get('at')} ({e.get('reason')}): {e.get('message')}",
+                         code="not_found", status=404)
 
 
 def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, snapshot=None,

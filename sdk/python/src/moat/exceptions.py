@@ -41,6 +41,10 @@ class PayloadTooLargeError(MoatError):
     """413 ``payload_too_large``: a JSON body over the daemon's limit."""
 
 
+class IdempotencyError(MoatError):
+    """422 ``unprocessable``: an ``idempotency_key`` was used before for another request."""
+
+
 class SandboxTimeoutError(MoatError):
     """504 ``timeout``: the operation did not finish in time."""
 
@@ -93,13 +97,14 @@ _BY_CODE = {
     "not_found": NotFoundError,
     "conflict": ConflictError,
     "payload_too_large": PayloadTooLargeError,
+    "unprocessable": IdempotencyError,
     "timeout": SandboxTimeoutError,
     "unavailable": UnavailableError,
     "internal": InternalError,
 }
 
 _BY_STATUS = {400: "invalid_argument", 401: "unauthorized", 403: "permission_denied", 404: "not_found",
-              405: "invalid_argument", 409: "conflict", 413: "payload_too_large", 422: "invalid_argument",
+              405: "invalid_argument", 409: "conflict", 413: "payload_too_large", 422: "unprocessable",
               503: "unavailable", 504: "timeout"}
 
 

@@ -180,6 +180,10 @@ class SandboxInfo:
     access_token: str = ""
     #: Whether its ports answer anyone, without the API key or the access token.
     allow_public_traffic: bool = False
+    #: Why it ended, when ``state == "ended"`` (its timeout, the OOM killer, its agent lost, ...).
+    ended: Optional["Cause"] = None
+    #: What degraded it while it ran (a process the OOM killer ended, a refused fork, a full disk).
+    conditions: List["Cause"] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "SandboxInfo":
@@ -190,11 +194,36 @@ class SandboxInfo:
                    snapshot=d.get("snapshot"),
                    network=NetworkInfo.from_json(d["network"]) if d.get("network") else None,
                    access_token=d.get("access_token") or "",
-                   allow_public_traffic=bool(d.get("allow_public_traffic")))
+                   allow_public_traffic=bool(d.get("allow_public_traffic")),
+                   ended=Cause.from_json(d["ended"]) if d.get("ended") else None,
+                   conditions=[Cause.from_json(c) for c in d.get("conditions") or []])
 
     @property
     def id(self) -> str:
         return self.sandbox_id
+
+
+@dataclass
+class Cause:
+    """Why a sandbox ended (``SandboxInfo.ended``) or what degraded it (``SandboxInfo.conditions``).
+
+    ``reason``: ``oom``, ``pids_exhausted``, ``disk_full``, ``timeout``, ``idle``, ``agent_lost``,
+    ``host_restart``, ``node_lost`` or ``killed_by_policy``."""
+
+    reason: str
+    at: str
+    message: str
+    #: For ``oom``: the process the OOM killer ended ("PID (name)").
+    process: Optional[str] = None
+    #: For a condition: how many times it happened.
+    count: int = 0
+    #: For an end: the last lines of the sandbox's own log.
+    log: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Cause":
+        return cls(reason=d["reason"], at=d["at"], message=d.get("message", ""), process=d.get("process"),
+                   count=d.get("count", 0), log=d.get("log") or [])
 
 
 @dataclass

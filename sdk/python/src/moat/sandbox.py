@@ -48,7 +48,8 @@ class Sandbox:
                cpu: Optional[float] = None, memory_mb: Optional[int] = None, isolation: Optional[str] = None,
                api_key: Optional[str] = None, api_url: Optional[str] = None,
                snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
-               network: Optional[PolicyLike] = None, allow_public_traffic: Optional[bool] = None) -> "Sandbox":
+               network: Optional[PolicyLike] = None, allow_public_traffic: Optional[bool] = None,
+               idempotency_key: Optional[str] = None) -> "Sandbox":
         """Creates a sandbox. ``timeout``: seconds until it is killed (daemon default 300).
 
         ``snapshot``: start from a snapshot (id, name or :class:`SnapshotInfo`); its template, tier, limits and
@@ -60,12 +61,17 @@ class Sandbox:
         default when not given; an :class:`InvalidArgumentError`
         with ``field == "network"`` when the daemon runs with ``--network none``). ``allow_public_traffic``:
         its exposed ports answer anyone, without the API key or its access token (default False).
+
+        ``idempotency_key``: a retry of this create with the same key and arguments (after a lost answer)
+        returns the sandbox the first one made instead of a second (kept 24 h); other arguments under the
+        same key raise :class:`IdempotencyError`.
         """
         api = SyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = api.json("POST", "/v1/sandboxes",
                          json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                snapshot, on_timeout, network, allow_public_traffic))
+                                                snapshot, on_timeout, network, allow_public_traffic),
+                         headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             api.close()
             raise
@@ -82,6 +88,9 @@ class Sandbox:
         api = SyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = api.json("GET", f"/v1/sandboxes/{sandbox_id}")
+            gone = _core.ended_error(d)
+            if gone is not None:
+                raise gone
             if d.get("state") == "paused":
                 try:
                     d = api.json("POST", f"/v1/sandboxes/{sandbox_id}/resume",

@@ -16,7 +16,7 @@ pub mod init;
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -172,13 +172,23 @@ impl ContainerTier {
         let dir_fd: OwnedFd = std::fs::File::open(&dir)
             .with_context(|| format!("open {}", dir.display()))?
             .into();
+        // The agent's stderr (and the init helper's): a file in the sandbox's host directory, read
+        // when the sandbox ends without a request (`last_words`). Only the agent writes it: it is
+        // not dumpable and the sandbox has no CAP_SYS_PTRACE, so nothing inside can open its
+        // /proc/1/fd/2, and every process it starts gets its own stdio.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(dir.join(AGENT_LOG))
+            .with_context(|| format!("create {AGENT_LOG}"))?;
         let mut cmd = Command::new(&self.self_exe);
         cmd.arg(init::INIT_ARG)
             .arg(serde_json::to_string(&config)?)
             .env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(Stdio::from(log));
         let lfd = listener.as_raw_fd();
         let sfd = theirs.as_raw_fd();
         let dfd = dir_fd.as_raw_fd();
@@ -339,6 +349,9 @@ impl ContainerTier {
     }
 }
 
+/// The agent's stderr, in the sandbox's host directory.
+const AGENT_LOG: &str = "agent.log";
+
 #[async_trait::async_trait]
 impl Tier for ContainerTier {
     type State = ContainerState;
@@ -373,6 +386,10 @@ impl Tier for ContainerTier {
         super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
+    fn last_words(&self, id: &str, _state: Option<&ContainerState>) -> Vec<String> {
+        super::log_tail(&self.dir(id).join(AGENT_LOG), 10)
+    }
+
     async fn connect(&self, id: &str, _state: &ContainerState) -> Result<AgentStream> {
         let path = self.dir(id).join("agent.sock");
         let s = tokio::net::UnixStream::connect(&path)
@@ -405,7 +422,8 @@ impl Tier for ContainerTier {
             Ok(TierUsage::new(
                 this.cgroups.usage(&id),
                 super::layer::usage(&this.dir(&id))?,
-            ))
+            )
+            .with_free(super::layer::room(&this.dir(&id))))
         })
         .await?
     }

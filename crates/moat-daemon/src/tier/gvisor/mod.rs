@@ -983,6 +983,10 @@ impl Tier for GvisorTier {
         super::start_or_clean(self, spec, move || this.create_blocking(&spec2)).await
     }
 
+    fn last_words(&self, id: &str, _state: Option<&GvisorState>) -> Vec<String> {
+        super::log_tail(&self.dir(id).join("console.log"), 10)
+    }
+
     async fn connect(&self, id: &str, _state: &GvisorState) -> Result<AgentStream> {
         // The socket's directory is writable from inside the sandbox: open the name without following
         // a symlink, check it is a socket, and connect through the descriptor, so a hostile sandbox
@@ -1033,7 +1037,8 @@ impl Tier for GvisorTier {
             Ok(TierUsage::new(
                 this.cgroups.usage(&id),
                 super::layer::usage(&this.dir(&id))?,
-            ))
+            )
+            .with_free(super::layer::room(&this.dir(&id))))
         })
         .await?
     }

@@ -1346,6 +1346,24 @@ impl Tier for MicrovmTier {
         })
     }
 
+    fn last_words(&self, id: &str, state: Option<&MicrovmState>) -> Vec<String> {
+        // The guest's console (the agent's stderr, the guest kernel's messages) while QEMU lives,
+        // then QEMU's own stderr.
+        let mut out = Vec::new();
+        if let Some(s) = state.filter(|s| proc::is_same_process(s.qemu_pid, s.qemu_start_ticks)) {
+            if let Ok(text) = self.qmp(id, s.uid).and_then(|mut q| {
+                q.execute(
+                    "ringbuf-read",
+                    json!({"device": "console", "size": CONSOLE_RING, "format": "utf8"}),
+                )
+            }) {
+                out = super::tail_lines(text.as_str().unwrap_or(""), 10);
+            }
+        }
+        out.extend(super::log_tail(&self.dir(id).join("qemu.log"), 5));
+        out
+    }
+
     async fn connect(&self, id: &str, state: &MicrovmState) -> Result<AgentStream> {
         let s = state.clone();
         let run = self.dir(id).join("run");

@@ -42,13 +42,15 @@ class AsyncSandbox:
                      api_key: Optional[str] = None, api_url: Optional[str] = None,
                      snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
                      network: Optional[PolicyLike] = None,
-                     allow_public_traffic: Optional[bool] = None) -> "AsyncSandbox":
+                     allow_public_traffic: Optional[bool] = None,
+                     idempotency_key: Optional[str] = None) -> "AsyncSandbox":
         """Creates a sandbox (see :meth:`Sandbox.create`)."""
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("POST", "/v1/sandboxes",
                                json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                      snapshot, on_timeout, network, allow_public_traffic))
+                                                      snapshot, on_timeout, network, allow_public_traffic),
+                               headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             await api.close()
             raise
@@ -61,6 +63,9 @@ class AsyncSandbox:
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("GET", f"/v1/sandboxes/{sandbox_id}")
+            gone = _core.ended_error(d)
+            if gone is not None:
+                raise gone
             if d.get("state") == "paused":
                 try:
                     d = (await api.json("POST", f"/v1/sandboxes/{sandbox_id}/resume",
