@@ -26,6 +26,7 @@ packages=(
     bubblewrap runc podman  # bench: the peers moat is measured against
     qemu-system-x86   # the microvm isolation tier
     kmod              # scripts/guest-kernel.sh: depmod and modprobe --show-depends on the guest kernel
+    lxcfs             # container sandboxes read their own CPU and memory counts (docs/resources.md)
 )
 
 missing=()

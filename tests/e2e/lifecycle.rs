@@ -228,11 +228,19 @@ async fn sandbox_whose_pid1_dies_is_removed() {
     .await;
     assert!(gone, "sandbox with a dead PID 1 was not removed");
     wait_not_found(&c, &s.id).await;
-    // Where it went is said: in the 404, and in the audit log.
-    let err = c.get_sandbox(&s.id).await.unwrap_err();
+    // Where it went is said: in its state (`ended`), in every other call's 404, and in the
+    // audit log.
+    let info = c.get_sandbox(&s.id).await.unwrap();
+    assert_eq!(info.state, moat_api::SandboxState::Ended);
+    let why = info.ended.expect("an ended sandbox says why").reason;
+    assert!(
+        matches!(why, moat_api::Reason::AgentLost | moat_api::Reason::Oom),
+        "ended by {why:?}"
+    );
+    let err = c.sandbox_stats(&s.id).await.unwrap_err();
     let msg = err.to_string();
     assert!(
-        msg.contains("agent_lost") || msg.contains("oom"),
+        err.is_not_found() && (msg.contains("agent_lost") || msg.contains("oom")),
         "the 404 does not say why: {msg}"
     );
     let ended = c

@@ -21,11 +21,12 @@ fn api_err<T: std::fmt::Debug>(r: moat_client::Result<T>) -> (u16, ErrorCode, Op
 }
 
 /// A fingerprint of the parts of the filesystem the tests change: every entry's path, type, mode,
-/// owner and size, and every regular file's content.
-const FINGERPRINT: &str = "cd / && find root etc opt home usr/local -xdev \
+/// owner and size, and every regular file's content; but /etc/machine-id, which every sandbox gets
+/// its own of (docs/snapshots.md, "Fork safety"; tests/e2e/forksafety.rs).
+const FINGERPRINT: &str = "cd / && find root etc opt home usr/local -xdev ! -path etc/machine-id \
     -printf '%p %y %m %u %g %s %l\\n' 2>/dev/null | sort | sha256sum && \
-    find root etc opt home usr/local -xdev -type f -print0 2>/dev/null | sort -z | \
-    xargs -0 sha256sum | sha256sum";
+    find root etc opt home usr/local -xdev -type f ! -path etc/machine-id -print0 2>/dev/null | \
+    sort -z | xargs -0 sha256sum | sha256sum";
 
 async fn fingerprint(c: &Client, id: &str) -> String {
     let out = sh(c, id, FINGERPRINT).await;

@@ -3,6 +3,7 @@
 
 mod fsops;
 mod http;
+mod identity;
 mod init;
 mod journal;
 mod layerops;
@@ -24,7 +25,7 @@ use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
 const USAGE: &str =
-    "usage: moat-agent (--listen-fd N | --listen PATH | --vm) [--output-buffer-bytes N] | moat-agent --sync";
+    "usage: moat-agent (--listen-fd N | --listen PATH | --vm) [--output-buffer-bytes N] | moat-agent --sync | moat-agent --hostname NAME";
 
 #[derive(Debug, PartialEq)]
 enum Listen {
@@ -128,6 +129,16 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("--sync") {
         // SAFETY: sync(2) takes no arguments and cannot fail.
         unsafe { libc::sync() };
+        return;
+    }
+    // `moat-agent --hostname NAME`: set the sandbox's hostname and exit (the gvisor tier runs it,
+    // with CAP_SYS_ADMIN for this one process, after restoring a full-state snapshot).
+    if std::env::args().nth(1).as_deref() == Some("--hostname") {
+        let name = std::env::args().nth(2).unwrap_or_default();
+        if let Err(e) = nix::unistd::sethostname(&name) {
+            eprintln!("moat-agent: sethostname {name:?}: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     let opts = match parse_args(std::env::args().skip(1)) {

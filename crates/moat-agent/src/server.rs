@@ -295,6 +295,23 @@ async fn set_config(agent: &Agent, body: Incoming) -> HandlerResult {
             "command_timeout must be a non-negative number of seconds",
         ));
     }
+    if let Some(id) = &c.identity {
+        if id.machine_id.len() != 32 || !id.machine_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ApiError::invalid(
+                "identity.machine_id",
+                "a machine id is 32 hex digits",
+            ));
+        }
+        if id.hostname.is_empty() || id.hostname.len() > 64 || id.hostname.contains('\0') {
+            return Err(ApiError::invalid(
+                "identity.hostname",
+                "a hostname is 1 to 64 bytes",
+            ));
+        }
+        for missed in crate::identity::apply(id, &agent.base_env) {
+            eprintln!("moat-agent: identity: {missed}");
+        }
+    }
     agent.procs.configure(&c);
     crate::http::no_content()
 }

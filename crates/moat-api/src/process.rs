@@ -247,6 +247,30 @@ pub struct AgentConfig {
     /// missing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// Who the sandbox is, told at every start (a fork or a restore included: docs/snapshots.md,
+    /// "Fork safety").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<SandboxIdentity>,
+}
+
+/// The identity the agent gives its sandbox: what must differ between two forks of one snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxIdentity {
+    /// `MOAT_SANDBOX_ID` of processes started from now on.
+    pub sandbox_id: String,
+    /// The hostname (set where the agent may: a microVM's guest; elsewhere the tier sets it).
+    pub hostname: String,
+    /// 32 lowercase hex digits for /etc/machine-id (and /var/lib/dbus/machine-id when present).
+    pub machine_id: String,
+    /// Base64 of random bytes from the host, mixed into the guest kernel's entropy pool, which is
+    /// then reseeded (a restored VM's pool is a copy of its snapshot's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entropy: Option<String>,
+    /// This sandbox continues another's processes (a full-state restore): /run/moat/forked is
+    /// written for long-lived programs to reseed; otherwise a stale one is removed.
+    #[serde(default)]
+    pub forked: bool,
 }
 
 /// A process selector from a path segment: digits are a pid, anything else a tag.

@@ -283,28 +283,6 @@ impl Audit {
         }
     }
 
-    /// Why sandbox `id` ended, when it ended without being asked to: (when, reason, message).
-    pub async fn end_of(&self, id: &str) -> Option<(i64, String, String)> {
-        self.flush().await;
-        let db = self.db.clone();
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || {
-            db.with_conn(|c| {
-                c.query_row(
-                    "SELECT at_ms, json_extract(detail, '$.reason'), json_extract(detail, '$.message')
-                     FROM audit WHERE sandbox_id = ?1 AND action = 'sandbox.ended'
-                     ORDER BY id DESC LIMIT 1",
-                    params![id],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-                )
-            })
-            .ok()
-        })
-        .await
-        .ok()
-        .flatten()
-    }
-
     /// Polls `id` for command starts and exits from now on, until it has no running command.
     pub fn watch(&self, id: &str) {
         if let Ok(mut w) = self.watched.lock() {

@@ -89,6 +89,11 @@ pub struct ServeArgs {
     /// for untrusted code.
     #[arg(long, env = "MOAT_NO_HARDENING")]
     pub no_hardening: bool,
+    /// Container-tier sandboxes see their own CPU and memory counts in /proc and /sys (`free`,
+    /// `nproc`, `os.cpu_count()`) through LXCFS: `auto` (when the `lxcfs` binary and /dev/fuse are
+    /// there), `on` (refuse to start without it) or `off` (the host's counts).
+    #[arg(long, env = "MOAT_LXCFS", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub lxcfs: String,
     /// Largest request body accepted by JSON endpoints, in bytes (file uploads stream and are unlimited).
     #[arg(long, env = "MOAT_MAX_JSON_BODY", default_value_t = 1 << 20)]
     pub max_json_body: usize,

@@ -69,6 +69,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         tokio::spawn(watch_deny_list(net.clone(), egress.clone()));
     }
     let network = network.map(|n| n.0);
+    let lxcfs = start_lxcfs(&args)?;
     let container = tier::container::ContainerTier::new(
         args.data_dir.join("sandboxes"),
         agent.clone(),
@@ -76,7 +77,8 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         &host::cgroup::parent_for(&args.data_dir),
         !args.no_hardening,
         network.clone(),
-    )?;
+    )?
+    .with_lxcfs(lxcfs.clone());
     let cgroups = container.cgroups().clone();
     if args.no_hardening {
         tracing::warn!(
@@ -181,9 +183,60 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     }
     if cgroups.remove_parent_if_empty() {
         tracing::debug!("removed the empty cgroup parent");
+        // No sandbox is left to read through LXCFS: it goes too (the next start makes a new one).
+        if let Some(l) = &lxcfs {
+            l.stop();
+        }
     }
     tracing::info!("stopped; sandboxes keep running and are re-adopted at the next start");
     Ok(())
+}
+
+/// LXCFS for the container tier's honest /proc (docs/resources.md), supervised: restarted when
+/// its mount stops answering.
+fn start_lxcfs(args: &ServeArgs) -> Result<Option<Arc<host::lxcfs::Lxcfs>>> {
+    if args.lxcfs == "off" {
+        return Ok(None);
+    }
+    let found = host::lxcfs::find().filter(|_| Path::new("/dev/fuse").exists());
+    let Some(binary) = found else {
+        if args.lxcfs == "on" {
+            bail!("--lxcfs on: the lxcfs binary or /dev/fuse is missing (apt-get install lxcfs)");
+        }
+        tracing::warn!("lxcfs is not installed (apt-get install lxcfs): container sandboxes see the host's CPU and memory counts");
+        return Ok(None);
+    };
+    for gone in host::lxcfs::sweep_orphans() {
+        tracing::warn!(mount = %gone.display(), "swept the lxcfs of a data directory that is gone");
+    }
+    let name = host::cgroup::parent_for(&args.data_dir);
+    let lxcfs = match host::lxcfs::Lxcfs::start(&binary, &args.data_dir, &name) {
+        Ok(l) => Arc::new(l),
+        Err(e) if args.lxcfs == "auto" => {
+            tracing::warn!(
+                "lxcfs: {e:#}; container sandboxes see the host's CPU and memory counts"
+            );
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    let watched = lxcfs.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            let l = watched.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                if !l.healthy() {
+                    tracing::warn!("lxcfs stopped answering; starting it again");
+                    if let Err(e) = l.launch() {
+                        tracing::error!("lxcfs: {e:#}");
+                    }
+                }
+            })
+            .await;
+        }
+    });
+    Ok(Some(lxcfs))
 }
 
 /// Raises the daemon's soft open-file limit to its hard one: every connection, sandbox and proxied

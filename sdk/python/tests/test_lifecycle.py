@@ -47,9 +47,13 @@ def test_set_timeout(daemon):
         while sbx.is_running() and time.time() < deadline:
             time.sleep(0.3)
         assert not sbx.is_running(), "the sandbox outlived its timeout"
-        # It ended on its own: its info says why and when, and connecting says so.
+        # It ended on its own: its info says why and when (once torn down: "stopping" before), and
+        # connecting says so.
         info = sbx.get_info()
-        assert info.state == "ended" and info.ended is not None
+        while info.state == "stopping" and time.time() < deadline:
+            time.sleep(0.2)
+            info = sbx.get_info()
+        assert info.state == "ended" and info.ended is not None, info
         assert info.ended.reason == "timeout" and info.ended.at
         with pytest.raises(moat.NotFoundError) as e:
             Sandbox.connect(sbx.id)

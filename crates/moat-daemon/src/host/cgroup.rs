@@ -24,7 +24,7 @@ pub fn parent_for(data_dir: &Path) -> String {
     format!("{PARENT}-{}", &hex::encode(h)[..8])
 }
 
-const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"];
+const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer", "cpuset"];
 
 /// Which cgroup layout the host has.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub enum CgroupLayout {
 }
 
 /// Limits applied to a group.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
     /// CPU cores (fractional).
     pub cpu: f64,
@@ -44,6 +44,9 @@ pub struct Limits {
     pub memory_bytes: u64,
     /// Largest number of tasks.
     pub pids: u64,
+    /// The CPUs its tasks may run on (`cpuset.cpus`); None leaves the group's as they are (all of
+    /// the parent's, at creation).
+    pub cpus: Option<Vec<u32>>,
 }
 
 /// What a group uses now.
@@ -87,6 +90,16 @@ impl CgroupLayout {
 
     pub fn is_v2(&self) -> bool {
         matches!(self, CgroupLayout::V2 { .. })
+    }
+
+    /// The path of group `name` in its hierarchy (`/moat/sbx_...`), as an OCI spec's
+    /// `cgroupsPath` names it.
+    pub fn path_of(&self, name: &str) -> String {
+        match self {
+            CgroupLayout::V1 { parent, .. } | CgroupLayout::V2 { parent, .. } => {
+                format!("/{parent}/{name}")
+            }
+        }
     }
 
     /// Directories of the group `name` (one per hierarchy; v1 hierarchies mounted together are listed once).
@@ -151,13 +164,24 @@ impl CgroupLayout {
 
     /// Creates the group `name` with `limits`. Idempotent.
     pub fn create(&self, name: &str, limits: &Limits) -> Result<()> {
-        if let CgroupLayout::V2 { root, parent } = self {
-            let parent = root.join(parent);
-            std::fs::create_dir_all(&parent)
-                .with_context(|| format!("mkdir {}", parent.display()))?;
-            // Controllers must be enabled top-down for the leaf to get their files.
-            for dir in [root.clone(), parent.clone()] {
-                let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+cpu +memory +pids");
+        match self {
+            CgroupLayout::V2 { root, parent } => {
+                let parent = root.join(parent);
+                std::fs::create_dir_all(&parent)
+                    .with_context(|| format!("mkdir {}", parent.display()))?;
+                // Controllers must be enabled top-down for the leaf to get their files.
+                for dir in [root.clone(), parent.clone()] {
+                    let _ =
+                        std::fs::write(dir.join("cgroup.subtree_control"), "+cpu +memory +pids");
+                    // Best effort: a host without the cpuset controller keeps every CPU.
+                    let _ = std::fs::write(dir.join("cgroup.subtree_control"), "+cpuset");
+                }
+            }
+            CgroupLayout::V1 { root, parent } => {
+                let base = root.join("cpuset");
+                if base.is_dir() {
+                    prepare_v1_cpuset(&base, &base.join(parent))?;
+                }
             }
         }
         for dir in self.dirs(name) {
@@ -177,6 +201,31 @@ impl CgroupLayout {
 
     /// The files and values that express `limits` in this layout.
     pub fn limit_files(&self, limits: &Limits) -> Vec<(String, String)> {
+        let mut files = self.quota_files(limits);
+        if let Some(cpus) = &limits.cpus {
+            files.push(("cpuset.cpus".into(), cpu_list(cpus)));
+        }
+        files
+    }
+
+    /// The CPUs the daemon's groups may use (the root cpuset's), ascending; empty when unknown.
+    pub fn allowed_cpus(&self) -> Vec<u32> {
+        let file = match self {
+            CgroupLayout::V2 { root, .. } => root.join("cpuset.cpus.effective"),
+            CgroupLayout::V1 { root, .. } => root.join("cpuset").join("cpuset.cpus"),
+        };
+        std::fs::read_to_string(file)
+            .ok()
+            .and_then(|t| parse_cpu_list(&t))
+            .or_else(|| {
+                std::fs::read_to_string("/sys/devices/system/cpu/online")
+                    .ok()
+                    .and_then(|t| parse_cpu_list(&t))
+            })
+            .unwrap_or_default()
+    }
+
+    fn quota_files(&self, limits: &Limits) -> Vec<(String, String)> {
         let quota = (limits.cpu * CPU_PERIOD_US as f64).round().max(1000.0) as u64;
         match self {
             CgroupLayout::V2 { .. } => vec![
@@ -440,6 +489,64 @@ pub fn join_from_pre_exec(procs: &[std::ffi::CString]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Gives the v1 cpuset parent `dir` the CPUs and memory nodes of `base` (the hierarchy's root) and
+/// has its new children inherit them (`cgroup.clone_children`): a v1 cpuset group without CPUs
+/// takes no task.
+fn prepare_v1_cpuset(base: &Path, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("mkdir {}", dir.display()))?;
+    for f in ["cpuset.cpus", "cpuset.mems"] {
+        let now = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        if now.trim().is_empty() {
+            let from = std::fs::read_to_string(base.join(f))
+                .with_context(|| format!("read {}", base.join(f).display()))?;
+            std::fs::write(dir.join(f), from.trim())
+                .with_context(|| format!("write {}", dir.join(f).display()))?;
+        }
+    }
+    std::fs::write(dir.join("cgroup.clone_children"), "1")
+        .with_context(|| format!("write {}/cgroup.clone_children", dir.display()))
+}
+
+/// `0-3,6` → [0, 1, 2, 3, 6]; None when it is not a CPU list.
+pub fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
+    let mut out = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.parse::<u32>().ok()?..=b.parse::<u32>().ok()?),
+            None => out.push(part.parse().ok()?),
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// [0, 1, 3] → `0,1,3`.
+pub fn cpu_list(cpus: &[u32]) -> String {
+    cpus.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The CPUs a group `name` with a quota of `cpu` cores runs on: as many as the quota rounds up to
+/// (at least one), consecutive from a place chosen by the name (so that groups spread over the
+/// host), or all of `allowed` when the quota is as large. `nproc` inside then says what the quota
+/// allows.
+pub fn pick_cpus(name: &str, cpu: f64, allowed: &[u32]) -> Vec<u32> {
+    let n = (cpu.ceil().max(1.0) as usize).min(allowed.len());
+    if n == allowed.len() {
+        return allowed.to_vec();
+    }
+    let start = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    }) as usize
+        % allowed.len();
+    let mut picked: Vec<u32> = (0..n)
+        .map(|i| allowed[(start + i) % allowed.len()])
+        .collect();
+    picked.sort_unstable();
+    picked
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,7 +563,44 @@ mod tests {
             cpu: 0.5,
             memory_bytes: 256 << 20,
             pids: 1024,
+            cpus: None,
         }
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-3,6\n"), Some(vec![0, 1, 2, 3, 6]));
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list(""), None);
+        assert_eq!(parse_cpu_list("x"), None);
+        assert_eq!(cpu_list(&[0, 1, 3]), "0,1,3");
+    }
+
+    #[test]
+    fn a_quota_gets_as_many_cpus_as_it_rounds_up_to_spread_by_name() {
+        let all: Vec<u32> = (0..8).collect();
+        assert_eq!(pick_cpus("a", 0.5, &all).len(), 1);
+        assert_eq!(pick_cpus("a", 2.5, &all).len(), 3);
+        assert_eq!(pick_cpus("a", 8.0, &all), all);
+        assert_eq!(pick_cpus("a", 64.0, &all), all);
+        assert_eq!(pick_cpus("a", 3.0, &all), pick_cpus("a", 3.0, &all));
+        let firsts: std::collections::HashSet<u32> = (0..64)
+            .map(|i| pick_cpus(&format!("sbx_{i}"), 1.0, &all)[0])
+            .collect();
+        assert!(firsts.len() >= 6, "spread over the host: {firsts:?}");
+        // Holes in the allowed set are kept out.
+        assert!(pick_cpus("a", 2.0, &[1, 5, 9])
+            .iter()
+            .all(|c| [1, 5, 9].contains(c)));
+        let l = CgroupLayout::V2 {
+            root: "/x".into(),
+            parent: PARENT.into(),
+        };
+        let files = l.limit_files(&Limits {
+            cpus: Some(vec![2, 3]),
+            ..limits()
+        });
+        assert!(files.contains(&("cpuset.cpus".into(), "2,3".into())));
     }
 
     #[test]

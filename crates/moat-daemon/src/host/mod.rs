@@ -6,6 +6,7 @@ pub mod cgroup;
 pub mod diskimage;
 pub mod egress;
 pub mod kmsg;
+pub mod lxcfs;
 pub mod mount;
 pub mod net;
 pub mod proc;

@@ -15,6 +15,32 @@ use crate::error::Error;
 use crate::ids::{new_access_token, new_sandbox_id};
 use crate::tier::{IsolationTier, SandboxSpec, MAX_SLOTS};
 
+/// What a sandbox is told of itself at every start: its own machine-id (derived from its id),
+/// hostname and id; after a
+/// full-state restore (a fork of another's memory) random bytes from the host for the guest
+/// kernel's entropy pool, and that it was forked (docs/snapshots.md, "Fork safety").
+fn identity(rec: &SandboxRecord, restoring: bool) -> moat_api::SandboxIdentity {
+    use base64::Engine;
+    use rand::RngCore;
+    // Its own and stable: a reset or a resume over its files keeps it, a fork (another id) differs.
+    let machine_id = {
+        use sha2::Digest;
+        hex::encode(&sha2::Sha256::digest(format!("moat machine-id {}", rec.id))[..16])
+    };
+    let entropy = restoring.then(|| {
+        let mut b = [0u8; 64];
+        rand::rngs::OsRng.fill_bytes(&mut b);
+        base64::engine::general_purpose::STANDARD.encode(b)
+    });
+    moat_api::SandboxIdentity {
+        sandbox_id: rec.id.clone(),
+        hostname: rec.hostname.clone(),
+        machine_id,
+        entropy,
+        forked: restoring,
+    }
+}
+
 impl Core {
     /// A new (not yet inserted) sandbox row.
     pub(super) fn new_record(
@@ -156,8 +182,9 @@ impl Core {
                 self.full_image_of(rec.snapshot.as_deref())?
             },
         };
-        let config = agent_config(&rec.limits, &self.capabilities(rec.isolation), &rec.runtime);
         let restoring = spec.restore.is_some();
+        let mut config = agent_config(&rec.limits, &self.capabilities(rec.isolation), &rec.runtime);
+        config.identity = Some(identity(rec, restoring));
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
         self.db

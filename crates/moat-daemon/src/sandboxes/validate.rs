@@ -104,6 +104,7 @@ pub(super) fn agent_config(
         nproc: caps.process_limit_inside.then_some(l.pids),
         user: runtime.user.clone(),
         cwd: runtime.workdir.clone(),
+        identity: None,
     }
 }
 

@@ -50,6 +50,8 @@ pub fn template_packages(name: &str) -> &'static [&'static str] {
             "python3-numpy",
             "python3-pandas",
             "python3-matplotlib",
+            // What agents size thread pools and caches with (honest inside: docs/resources.md).
+            "python3-psutil",
             "nodejs",
         ],
         _ => &[],

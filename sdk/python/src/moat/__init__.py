@@ -12,7 +12,7 @@ from .exceptions import (AuthenticationError, CommandExitException, CommandTimeo
                          IdempotencyError, InternalError, InvalidArgumentError, MoatError, NotFoundError, NotSupportedError,
                          PayloadTooLargeError, PermissionDeniedError, SandboxTimeoutError, UnavailableError)
 from .files import FileStream, Filesystem, WatchHandle
-from .models import (CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
+from .models import (Cause, CommandResult, Context, EntryInfo, Execution, ExecutionError, ExitStatus, FilesystemEvent, Logs,
                      NetworkInfo, NetworkLogEntry, NetworkPolicy, NetworkProposal, ObservedDestination, ProcessEvent,
                      ProcessInfo, Result, SandboxInfo, SnapshotInfo, TemplateInfo, WriteEntry)
 from .network import NetworkLogStream
@@ -25,7 +25,7 @@ __all__ = [
     "Sandbox", "AsyncSandbox", "Commands", "CommandHandle", "AsyncCommandHandle", "Filesystem", "FileStream",
     "WatchHandle", "AsyncWatchHandle", "Pty", "PtyHandle", "AsyncPtyHandle", "NetworkLogStream",
     "AsyncNetworkLogStream",
-    "CommandResult", "Context", "EntryInfo", "Execution", "ExecutionError", "ExitStatus", "FilesystemEvent", "Logs",
+    "Cause", "CommandResult", "Context", "EntryInfo", "Execution", "ExecutionError", "ExitStatus", "FilesystemEvent", "Logs",
     "NetworkInfo", "NetworkLogEntry", "NetworkPolicy", "NetworkProposal", "ObservedDestination", "ProcessEvent",
     "ProcessInfo", "Result", "SandboxInfo", "SnapshotInfo", "TemplateInfo", "WriteEntry",
     "MoatError", "InvalidArgumentError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",

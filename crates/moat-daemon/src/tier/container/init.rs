@@ -48,6 +48,12 @@ pub struct InitConfig {
     /// never lists a cgroup file mount (other container runtimes parse it).
     #[serde(default)]
     pub oom_counter: Option<PathBuf>,
+    /// LXCFS's files (host path, path under the root) bound over the sandbox's /proc and /sys, so
+    /// that its CPU and memory counts are its own. Host paths resolve in the init's copy of the
+    /// host's mounts (a mount of another namespace cannot be bound), so LXCFS is mounted where the
+    /// sandbox's uid may search every directory above it (host::lxcfs).
+    #[serde(default)]
+    pub lxcfs: Vec<(PathBuf, String)>,
     /// Drop capabilities, install seccomp and mask /proc and /sys. Only `moat serve --no-hardening`
     /// (for measuring what hardening costs) turns it off.
     #[serde(default = "yes")]
@@ -213,15 +219,16 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
         if !target.is_file() {
             std::fs::File::create(&target).context("create the OOM counter mount point")?;
         }
-        mount(
-            Some(src),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .context("bind the OOM counter")?;
+        bind(src, &target).context("bind the OOM counter")?;
         remount_readonly(&target, src)?;
+    }
+    for (src, rel) in &cfg.lxcfs {
+        // Only files the sandbox's own /proc and /sys have (a name that is not there is skipped:
+        // nothing is created under /proc or a read-only /sys).
+        let target = root.join(rel);
+        if target.is_file() {
+            bind(src, &target).with_context(|| format!("bind lxcfs's {rel}"))?;
+        }
     }
     if cfg.harden {
         mask_paths(root)?;
@@ -262,6 +269,17 @@ fn sandbox_pid1(cfg: &InitConfig) -> Result<std::convert::Infallible> {
     }
     let e = nix::unistd::execve(&prog, &argv, &envp).unwrap_err();
     bail!("exec agent: {e}")
+}
+
+/// Binds `src` over `target` (not recursively).
+fn bind(src: &Path, target: &Path) -> nix::Result<()> {
+    mount(
+        Some(src),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
 }
 
 fn mkdir(root: &Path, rel: &str) -> Result<PathBuf> {

@@ -21,6 +21,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -30,17 +31,20 @@ use serde::{Deserialize, Serialize};
 use super::{
     AgentStream, SandboxSpec, Tier, TierCapabilities, TierUsage, IDS_PER_SANDBOX, MAX_SLOTS,
 };
-use crate::host::cgroup::{CgroupLayout, Limits};
+use crate::host::cgroup::{self, CgroupLayout, Limits};
 use crate::host::{mount, proc};
 
 /// Where the sandbox's cgroup OOM counter appears inside it (read-only).
 pub const OOM_COUNTER_INSIDE: &str = "/run/moat/memory.events";
 
-fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
+/// A container sandbox's cgroup limits: its quota, memory and pids, and as many CPUs as its quota
+/// rounds up to (so that `nproc` and the CPU count it reads say what it may use; docs/resources.md).
+fn cgroup_limits(id: &str, l: &moat_api::SandboxLimits, allowed: &[u32]) -> Limits {
     Limits {
         cpu: l.cpu,
         memory_bytes: l.memory_mb << 20,
         pids: l.pids,
+        cpus: (!allowed.is_empty()).then(|| cgroup::pick_cpus(id, l.cpu, allowed)),
     }
 }
 
@@ -71,6 +75,8 @@ pub struct ContainerTier {
     harden: bool,
     /// Sandbox networking (None: loopback only).
     net: Option<crate::host::net::Network>,
+    /// LXCFS, whose /proc and /sys files are bound over each sandbox's (None: the host's view).
+    lxcfs: Option<Arc<crate::host::lxcfs::Lxcfs>>,
 }
 
 impl ContainerTier {
@@ -98,7 +104,27 @@ impl ContainerTier {
             uid_base,
             harden,
             net,
+            lxcfs: None,
         })
+    }
+
+    /// Binds LXCFS's files over every new sandbox's /proc and /sys (docs/resources.md).
+    pub fn with_lxcfs(mut self, lxcfs: Option<Arc<crate::host::lxcfs::Lxcfs>>) -> ContainerTier {
+        self.lxcfs = lxcfs;
+        self
+    }
+
+    /// LXCFS's files to bind into a new sandbox: none when there is no LXCFS, or when it does not
+    /// answer (the sandbox then sees the host's counts; said in the log).
+    fn lxcfs_binds(&self) -> Vec<(PathBuf, String)> {
+        match &self.lxcfs {
+            Some(l) if l.healthy() => l.binds(),
+            Some(l) => {
+                tracing::warn!(mount = %l.mountpoint().display(), "lxcfs does not answer: this sandbox sees the host's CPU and memory counts");
+                Vec::new()
+            }
+            None => Vec::new(),
+        }
     }
 
     pub fn cgroups(&self) -> &CgroupLayout {
@@ -135,8 +161,10 @@ impl ContainerTier {
         .context("chown upper layer")?;
         std::fs::set_permissions(layer.join("upper"), std::fs::Permissions::from_mode(0o755))?;
 
-        self.cgroups
-            .create(&spec.id, &cgroup_limits(&spec.limits))?;
+        self.cgroups.create(
+            &spec.id,
+            &cgroup_limits(&spec.id, &spec.limits, &self.cgroups.allowed_cpus()),
+        )?;
 
         let sock_path = dir.join("agent.sock");
         let _ = std::fs::remove_file(&sock_path);
@@ -163,6 +191,7 @@ impl ContainerTier {
             agent: Path::new("../../bin").join(agent_name),
             env: spec.env.clone(),
             oom_counter: self.cgroups.oom_counter_file(&spec.id),
+            lxcfs: self.lxcfs_binds(),
             harden: self.harden,
             resolv_conf: match (&self.net, &spec.network) {
                 (Some(n), Some(_)) => Some(format!("nameserver {}\n", n.addresses(spec.slot).0)),
@@ -412,7 +441,8 @@ impl Tier for ContainerTier {
         _state: &ContainerState,
         limits: &moat_api::SandboxLimits,
     ) -> Result<()> {
-        self.cgroups.create(id, &cgroup_limits(limits))
+        self.cgroups
+            .create(id, &cgroup_limits(id, limits, &self.cgroups.allowed_cpus()))
     }
 
     async fn usage(&self, id: &str, _state: &ContainerState) -> Result<TierUsage> {
@@ -605,6 +635,7 @@ impl ContainerTier {
             uid_base: self.uid_base,
             harden: self.harden,
             net: self.net.clone(),
+            lxcfs: self.lxcfs.clone(),
         }
     }
 }

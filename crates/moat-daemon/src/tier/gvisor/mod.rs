@@ -79,6 +79,8 @@ pub struct GvisorTier {
     runsc: Option<Runsc>,
 }
 
+/// A gVisor sandbox's cgroup limits (runsc reads the memory limit from the cgroup and gives the
+/// Sentry as much: `free` inside).
 fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
     Limits {
         cpu: l.cpu,
@@ -90,6 +92,10 @@ fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
             .pids
             .saturating_mul(HOST_THREADS_PER_PROCESS)
             .saturating_add(SENTRY_THREADS),
+        // No pinning: under the ptrace platform the Sentry and its stubs ping-pong, and on one
+        // CPU a thread bomb ran 4 times slower (measured). The Sentry's CPU count comes from the
+        // quota instead (`--cpu-num-from-quota`).
+        cpus: None,
     }
 }
 
@@ -174,13 +180,13 @@ impl GvisorTier {
             // The agent binds its socket in a host directory; nothing may connect out to host sockets.
             .arg("--host-uds=create")
             .arg("--file-access=shared")
+            // As many CPUs inside as the quota rounds up to (runsc's floor: 2), not the host's.
+            .arg("--cpu-num-from-quota")
             .arg(if networked {
                 "--network=sandbox"
             } else {
                 "--network=none"
             })
-            // The daemon puts runsc into the sandbox's cgroup itself (v1 and v2 alike).
-            .arg("--ignore-cgroups")
             .env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .stdin(Stdio::null());
@@ -265,7 +271,7 @@ impl GvisorTier {
         let state = match &spec.restore {
             Some(image) => {
                 check_image(image, &self.agent)?;
-                self.restore_instance(&spec.id, image, net_slot)?
+                self.restore_instance(&spec.id, image, net_slot, Some(&spec.hostname))?
             }
             None => {
                 let console =
@@ -331,11 +337,14 @@ impl GvisorTier {
 
     /// Starts the sandbox `id` (its bundle is in place) from the checkpoint `image`, its processes
     /// where they were, and lets its agent listen again.
+    /// Restores a full-state image as sandbox `id`; a fork of another sandbox's image gets its own
+    /// `hostname` (the restored kernel has the snapshotted one's).
     fn restore_instance(
         &self,
         id: &str,
         image: &Path,
         net_slot: Option<u32>,
+        hostname: Option<&str>,
     ) -> Result<GvisorState> {
         let dir = self.dir(id);
         let console = std::fs::OpenOptions::new()
@@ -360,6 +369,23 @@ impl GvisorTier {
         }
         let state = self.instance_state(id, net_slot)?;
         self.wake_agent(id, networked)?;
+        if let Some(name) = hostname {
+            // The agent has no CAP_SYS_ADMIN; this one process of the trusted, read-only agent
+            // binary gets it (docs/snapshots.md, "Fork safety").
+            self.runsc_run(
+                networked,
+                &[
+                    "exec",
+                    "--cap",
+                    "CAP_SYS_ADMIN",
+                    id,
+                    AGENT_PATH_INSIDE,
+                    "--hostname",
+                    name,
+                ],
+            )
+            .context("set the restored sandbox's hostname")?;
+        }
         Ok(state)
     }
 
@@ -510,6 +536,10 @@ impl GvisorTier {
         })
         .collect::<Result<_, _>>()?;
         let linux = oci::LinuxBuilder::default()
+            // The sandbox's cgroup (made by the daemon, which also puts runsc into it): runsc
+            // reads its memory limit and CPUs from it and gives the Sentry as much (`free`,
+            // `nproc` inside then say the sandbox's own; docs/resources.md).
+            .cgroups_path(PathBuf::from(self.cgroups.path_of(&spec.id)))
             .namespaces(namespaces)
             .masked_paths(oci::get_default_maskedpaths())
             .readonly_paths(oci::get_default_readonly_paths())
@@ -800,7 +830,7 @@ impl GvisorTier {
         if let (Some(net), Some(slot)) = (&self.net, state.net_slot) {
             net.reconfigure_netns(slot, &dir.join("netns"))?;
         }
-        let restored = self.restore_instance(id, image, state.net_slot);
+        let restored = self.restore_instance(id, image, state.net_slot, None);
         let stopped_for = started.elapsed();
         let restored = restored.context("the sandbox did not come back after its checkpoint")?;
         copied?;
@@ -1202,7 +1232,7 @@ mod tests {
     }
 
     #[test]
-    fn spec_runs_the_agent_with_moat_capabilities_and_no_host_cgroups() {
+    fn spec_runs_the_agent_with_moat_capabilities_in_the_sandboxs_cgroup() {
         let t = tier();
         let dir = t.dir("sbx_test");
         let s = t.oci_spec(&spec(), &dir, None).unwrap();
@@ -1241,8 +1271,8 @@ mod tests {
         assert_eq!(agent["source"], "/data/bin/moat-agent-0123");
         assert!(agent["options"].as_array().unwrap().contains(&"ro".into()));
         assert!(!mounts.iter().any(|m| m["destination"] == "/sys/fs/cgroup"));
-        // No cgroup path: the daemon, not runsc, places the sandbox in its cgroup.
-        assert!(v["linux"].get("cgroupsPath").is_none());
+        // Its cgroup (the daemon made it and puts runsc in it): runsc reads the limits from it.
+        assert_eq!(v["linux"]["cgroupsPath"], "/moat/sbx_test");
         let net = v["linux"]["namespaces"]
             .as_array()
             .unwrap()

@@ -395,6 +395,8 @@ impl MicrovmTier {
             memory_bytes: (l.memory_mb + GUEST_OVERHEAD_MB + QEMU_OVERHEAD_MB) << 20,
             // QEMU's own threads (vCPUs, I/O workers); the guest's processes are not host processes.
             pids: 256,
+            // The guest sees its own vCPUs.
+            cpus: None,
         }
     }
 
