@@ -62,16 +62,23 @@ async fn a_sandbox_reads_its_own_cpus_and_memory() {
         unreachable!()
     };
     let tier = isolation();
-    // One CPU, whatever the host has (gVisor's floor is two: runsc's rule, docs/resources.md).
-    let cpus = if tier == moat_api::Isolation::Gvisor {
-        2.min(host_cpus as u64)
-    } else {
-        1
-    };
-    assert_eq!(nproc, cpus, "nproc on {tier:?} (host: {host_cpus})");
-    assert_eq!(cpu_count, cpus, "os.cpu_count() on {tier:?}");
-    assert_eq!(cpuinfo, cpus, "/proc/cpuinfo on {tier:?}");
-    assert_eq!(stat_cpus, cpus, "/proc/stat on {tier:?}");
+    if tier == moat_api::Isolation::Gvisor {
+        // Not honest yet on gvisor (docs/resources.md, issue 28): the Sentry is sized from the host
+        // while runsc ignores cgroups (the daemon places it in the sandbox's cgroup itself). When
+        // this changes, these assertions fail and the gvisor rows of the docs change with them.
+        assert_eq!(
+            (nproc as usize, meminfo_mb),
+            (host_cpus, host_mb),
+            "gVisor's view changed: update docs/resources.md and this test"
+        );
+        c.delete_sandbox(&s.id).await.unwrap();
+        return;
+    }
+    // One CPU, whatever the host has.
+    assert_eq!(nproc, 1, "nproc on {tier:?} (host: {host_cpus})");
+    assert_eq!(cpu_count, 1, "os.cpu_count() on {tier:?}");
+    assert_eq!(cpuinfo, 1, "/proc/cpuinfo on {tier:?}");
+    assert_eq!(stat_cpus, 1, "/proc/stat on {tier:?}");
     // 512 MiB, far from the host's. A microVM's RAM is the limit plus the guest kernel's and the
     // agent's share (96 MiB), less what its kernel keeps for itself.
     let memory = if tier == moat_api::Isolation::Microvm {
@@ -130,7 +137,13 @@ async fn psutil_and_the_cpu_count_follow_the_limits() {
         .split_whitespace()
         .map(|w| w.parse().unwrap_or_else(|_| panic!("{out:?}")))
         .collect();
-    let (host_cpus, _) = host();
+    let (host_cpus, host_mb) = host();
+    if isolation() == moat_api::Isolation::Gvisor {
+        // The host's view on gvisor (see above).
+        assert_eq!(v, [host_cpus as u64, host_cpus as u64, host_mb], "{out:?}");
+        c.delete_sandbox(&s.id).await.unwrap();
+        return;
+    }
     let want_cpus = 2.min(host_cpus as u64);
     assert_eq!(v[..2], [want_cpus, want_cpus], "{out:?}");
     let top = if isolation() == moat_api::Isolation::Microvm {

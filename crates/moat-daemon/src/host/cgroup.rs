@@ -92,16 +92,6 @@ impl CgroupLayout {
         matches!(self, CgroupLayout::V2 { .. })
     }
 
-    /// The path of group `name` in its hierarchy (`/moat/sbx_...`), as an OCI spec's
-    /// `cgroupsPath` names it.
-    pub fn path_of(&self, name: &str) -> String {
-        match self {
-            CgroupLayout::V1 { parent, .. } | CgroupLayout::V2 { parent, .. } => {
-                format!("/{parent}/{name}")
-            }
-        }
-    }
-
     /// Directories of the group `name` (one per hierarchy; v1 hierarchies mounted together are listed once).
     /// The `cgroup.procs` files of cgroup `name` in every hierarchy, as C strings for
     /// [`join_from_pre_exec`] (made before a fork: nothing may be allocated after it).

@@ -33,10 +33,12 @@ impl Core {
             .map(|t| t.last_words(&rec.id, rec.tier_state.as_ref()))
             .unwrap_or_default();
         let mut last = self.api(&rec);
-        let id = rec.id.clone();
+        let (id, pooled) = (rec.id.clone(), rec.pooled);
         self.destroy(rec).await?;
         let now = now_ms();
         last.state = SandboxState::Ended;
+        // Its ports are gone with it: the token that opened them is not kept.
+        last.access_token.clear();
         last.ended = Some(Cause {
             reason,
             at: rfc3339(now),
@@ -45,11 +47,15 @@ impl Core {
             count: 0,
             log: log.into_iter().take(LOG_LINES).collect(),
         });
-        if let Err(e) = self
-            .db
-            .put_ended(&last, now)
-            .and_then(|()| self.db.prune_ended(now - KEEP_ENDED_MS))
-        {
+        // A pooled sandbox was nobody's yet: no record to show anyone (the pool makes another).
+        let kept = if pooled {
+            Ok(())
+        } else {
+            self.db
+                .put_ended(&last, now)
+                .and_then(|()| self.db.prune_ended(now - KEEP_ENDED_MS))
+        };
+        if let Err(e) = kept {
             tracing::error!(sandbox = %id, "keep the record of its end: {e:#}");
         }
         tracing::info!(sandbox = %id, reason = reason.as_str(), "ended: {message}");

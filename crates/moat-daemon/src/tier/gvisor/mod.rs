@@ -79,8 +79,7 @@ pub struct GvisorTier {
     runsc: Option<Runsc>,
 }
 
-/// A gVisor sandbox's cgroup limits (runsc reads the memory limit from the cgroup and gives the
-/// Sentry as much: `free` inside).
+/// A gVisor sandbox's cgroup limits.
 fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
     Limits {
         cpu: l.cpu,
@@ -93,8 +92,7 @@ fn cgroup_limits(l: &moat_api::SandboxLimits) -> Limits {
             .saturating_mul(HOST_THREADS_PER_PROCESS)
             .saturating_add(SENTRY_THREADS),
         // No pinning: under the ptrace platform the Sentry and its stubs ping-pong, and on one
-        // CPU a thread bomb ran 4 times slower (measured). The Sentry's CPU count comes from the
-        // quota instead (`--cpu-num-from-quota`).
+        // CPU a thread bomb ran 4 times slower (measured).
         cpus: None,
     }
 }
@@ -180,13 +178,15 @@ impl GvisorTier {
             // The agent binds its socket in a host directory; nothing may connect out to host sockets.
             .arg("--host-uds=create")
             .arg("--file-access=shared")
-            // As many CPUs inside as the quota rounds up to (runsc's floor: 2), not the host's.
-            .arg("--cpu-num-from-quota")
             .arg(if networked {
                 "--network=sandbox"
             } else {
                 "--network=none"
             })
+            // The daemon puts runsc into the sandbox's cgroup itself (v1 and v2 alike). (Letting runsc
+            // manage it would size the Sentry from the cgroup, `free` inside then honest, but broke
+            // the fork bomb, chaos and full-disk trials under load: docs/resources.md.)
+            .arg("--ignore-cgroups")
             .env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .stdin(Stdio::null());
@@ -536,10 +536,6 @@ impl GvisorTier {
         })
         .collect::<Result<_, _>>()?;
         let linux = oci::LinuxBuilder::default()
-            // The sandbox's cgroup (made by the daemon, which also puts runsc into it): runsc
-            // reads its memory limit and CPUs from it and gives the Sentry as much (`free`,
-            // `nproc` inside then say the sandbox's own; docs/resources.md).
-            .cgroups_path(PathBuf::from(self.cgroups.path_of(&spec.id)))
             .namespaces(namespaces)
             .masked_paths(oci::get_default_maskedpaths())
             .readonly_paths(oci::get_default_readonly_paths())
@@ -1232,7 +1228,7 @@ mod tests {
     }
 
     #[test]
-    fn spec_runs_the_agent_with_moat_capabilities_in_the_sandboxs_cgroup() {
+    fn spec_runs_the_agent_with_moat_capabilities_and_no_host_cgroups() {
         let t = tier();
         let dir = t.dir("sbx_test");
         let s = t.oci_spec(&spec(), &dir, None).unwrap();
@@ -1271,8 +1267,8 @@ mod tests {
         assert_eq!(agent["source"], "/data/bin/moat-agent-0123");
         assert!(agent["options"].as_array().unwrap().contains(&"ro".into()));
         assert!(!mounts.iter().any(|m| m["destination"] == "/sys/fs/cgroup"));
-        // Its cgroup (the daemon made it and puts runsc in it): runsc reads the limits from it.
-        assert_eq!(v["linux"]["cgroupsPath"], "/moat/sbx_test");
+        // No cgroup path: the daemon, not runsc, places the sandbox in its cgroup.
+        assert!(v["linux"].get("cgroupsPath").is_none());
         let net = v["linux"]["namespaces"]
             .as_array()
             .unwrap()
