@@ -26,6 +26,15 @@ pub struct ListFilter {
     pub metadata: BTreeMap<String, String>,
 }
 
+impl ListFilter {
+    /// Whether `metadata` has every label the filter asks for.
+    fn labels_match(&self, metadata: &BTreeMap<String, String>) -> bool {
+        self.metadata
+            .iter()
+            .all(|(k, v)| metadata.get(k) == Some(v))
+    }
+}
+
 pub struct Lifecycle {
     core: Arc<Core>,
     pool: Arc<Pool>,
@@ -167,12 +176,7 @@ impl Lifecycle {
                 .db
                 .list_ended()?
                 .into_iter()
-                .filter(|s| {
-                    filter
-                        .metadata
-                        .iter()
-                        .all(|(k, v)| s.metadata.get(k) == Some(v))
-                })
+                .filter(|s| filter.labels_match(&s.metadata))
                 .collect());
         }
         Ok(self
@@ -181,12 +185,7 @@ impl Lifecycle {
             .iter()
             .filter(|r| !r.pooled)
             .filter(|r| filter.state.is_none_or(|s| s == r.state))
-            .filter(|r| {
-                filter
-                    .metadata
-                    .iter()
-                    .all(|(k, v)| r.metadata.get(k) == Some(v))
-            })
+            .filter(|r| filter.labels_match(&r.metadata))
             .map(|r| self.api(r))
             .collect())
     }
