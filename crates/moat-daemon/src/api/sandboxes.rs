@@ -14,11 +14,12 @@ use crate::sandboxes::{ListFilter, IDEMPOTENCY_KEY};
 
 /// Create a sandbox. With an `Idempotency-Key` header, a retry of the same request (its answer
 /// lost) returns the sandbox the first one made (`Idempotent-Replayed: true`) for 24 h; another
-/// request under the same key is a 422.
+/// request under the same key is a 422; a retry after that sandbox was deleted or ended is a 409.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandboxRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "1 to 255 visible ASCII characters; a retry with the same key and body returns the same sandbox")),
     responses((status = 201, body = Sandbox), (status = 400, body = moat_api::ErrorBody),
               (status = 404, description = "unknown template", body = moat_api::ErrorBody),
+              (status = 409, description = "the sandbox made under this Idempotency-Key was deleted or has ended", body = moat_api::ErrorBody),
               (status = 413, body = moat_api::ErrorBody),
               (status = 422, description = "the Idempotency-Key was used for another request", body = moat_api::ErrorBody)))]
 pub async fn create(

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use moat_api::{CreateSandboxRequest, Sandbox};
+use moat_api::{CreateSandboxRequest, Sandbox, SandboxState};
 use sha2::{Digest, Sha256};
 
 use super::causes::KEEP_ENDED_MS;
@@ -80,6 +80,17 @@ impl Lifecycle {
                 )));
             }
             return match self.inspect(&id).await {
+                // It ended without a request: a replay answering 201 with a sandbox that can
+                // no longer be used would read as a success; say what became of it instead.
+                Ok(s) if s.state == SandboxState::Ended => {
+                    let why = s.ended.map_or_else(String::new, |c| {
+                        format!(" at {} ({}): {}", c.at, c.reason.as_str(), c.message)
+                    });
+                    Err(Error::conflict(format!(
+                        "sandbox {id}, made under Idempotency-Key {key:?}, ended{why}; use a new \
+                         key to create another"
+                    )))
+                }
                 Ok(s) => Ok((s, true)),
                 Err(Error::NotFound { .. }) => Err(Error::conflict(format!(
                     "sandbox {id}, made under Idempotency-Key {key:?}, was deleted; use a new key \

@@ -711,6 +711,15 @@ async fn an_idempotent_create_retried_returns_the_first_sandbox() {
         w.s.sandboxes.create_once("key-1", req).await,
         Err(Error::Conflict(m)) if m.contains(&first.id)
     ));
+    // Once its sandbox has ended without a request, a replay says so, and why, rather than
+    // answering 201 with a sandbox that cannot be used.
+    w.db.set_expiry(&a.0.id, now_ms() - 1).unwrap();
+    w.s.reaper.expire().await;
+    assert!(matches!(
+        w.s.sandboxes.create_once("key-2", other).await,
+        Err(Error::Conflict(m)) if m.contains(&a.0.id) && m.contains("(timeout)")
+    ));
+    assert_eq!(rows(&w.db).len(), 0);
     assert!(matches!(
         w.s.sandboxes.create_once("bad key", Default::default()).await,
         Err(Error::Invalid { field, .. }) if field == "Idempotency-Key"
