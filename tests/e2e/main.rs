@@ -27,5 +27,6 @@ mod network;
 mod pool;
 mod ports;
 mod restart;
+mod secrets;
 mod snapshots;
 mod topology;

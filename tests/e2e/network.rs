@@ -442,6 +442,34 @@ async fn network_flags_refused_without_networking() {
         }
         other => panic!("expected a 400, got {other:?}"),
     }
+    // Secrets travel only through the egress proxy: without networking they are refused (409);
+    // a bad one is a 400 naming its field first.
+    let secret = |hosts: &[&str]| moat_api::SecretSpec {
+        name: "TOKEN".into(),
+        value: "v".into(),
+        hosts: hosts.iter().map(|h| h.to_string()).collect(),
+        inject: Default::default(),
+        header: None,
+        format: None,
+        body: false,
+    };
+    for (hosts, want) in [
+        (&["api.example.com"][..], (409, None)),
+        (&["10.0.0.1"][..], (400, Some("secrets[0].hosts"))),
+    ] {
+        match c
+            .create_sandbox(&CreateSandboxRequest {
+                secrets: vec![secret(hosts)],
+                ..Default::default()
+            })
+            .await
+        {
+            Err(moat_client::Error::Api { status, body }) => {
+                assert_eq!((status, body.error.field.as_deref()), want, "{body:?}");
+            }
+            other => panic!("expected {want:?}, got {other:?}"),
+        }
+    }
     let s = create(&c, "base").await;
     assert!(s.network.is_none());
     assert_eq!(

@@ -14,6 +14,7 @@ mod ring;
 mod server;
 mod tarops;
 mod tcp;
+mod trust;
 mod users;
 mod vm;
 mod vmnet;

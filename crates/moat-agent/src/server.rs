@@ -312,6 +312,17 @@ async fn set_config(agent: &Agent, body: Incoming) -> HandlerResult {
             eprintln!("moat-agent: identity: {missed}");
         }
     }
+    if let Some(pem) = &c.egress_ca {
+        if !pem.starts_with("-----BEGIN CERTIFICATE-----") || pem.len() > 64 * 1024 {
+            return Err(ApiError::invalid(
+                "egress_ca",
+                "a PEM certificate of at most 64 KiB",
+            ));
+        }
+        for missed in crate::trust::install(pem, &agent.base_env) {
+            eprintln!("moat-agent: egress CA: {missed}");
+        }
+    }
     agent.procs.configure(&c);
     crate::http::no_content()
 }

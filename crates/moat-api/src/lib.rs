@@ -15,6 +15,7 @@ pub mod network;
 pub mod process;
 pub mod protocol;
 pub mod sandbox;
+pub mod secret;
 pub mod snapshot;
 pub mod template;
 
@@ -27,6 +28,7 @@ pub use files::*;
 pub use network::*;
 pub use process::*;
 pub use sandbox::*;
+pub use secret::*;
 pub use snapshot::*;
 pub use template::*;
 

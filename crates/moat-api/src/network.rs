@@ -32,6 +32,10 @@ pub struct NetworkPolicy {
     /// `audit` (what the policy would have refused). The always-blocked destinations stay blocked.
     #[serde(default, skip_serializing_if = "NetworkMode::is_enforce")]
     pub mode: NetworkMode,
+    /// What follows a secret's placeholder heading to a host it does not belong to (docs/secrets.md):
+    /// `block` (default), `block_and_pause` or `block_and_snapshot`.
+    #[serde(default, skip_serializing_if = "crate::SecretViolation::is_block")]
+    pub on_secret_violation: crate::SecretViolation,
 }
 
 /// Whether a policy refuses what it denies or only logs it.
@@ -63,6 +67,7 @@ impl Default for NetworkPolicy {
             egress_mbps: None,
             connections_per_second: None,
             mode: NetworkMode::Enforce,
+            on_secret_violation: crate::SecretViolation::Block,
         }
     }
 }

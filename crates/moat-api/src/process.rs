@@ -251,6 +251,10 @@ pub struct AgentConfig {
     /// "Fork safety").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity: Option<SandboxIdentity>,
+    /// The sandbox's egress certificate authority (PEM), for its trust stores: the proxy answers
+    /// with certificates it signs when it carries the sandbox's secrets (docs/secrets.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_ca: Option<String>,
 }
 
 /// The identity the agent gives its sandbox: what must differ between two forks of one snapshot.

@@ -152,6 +152,10 @@ pub struct CreateSandboxRequest {
     /// (default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
+    /// Secrets kept out of the sandbox (docs/secrets.md): each is `$NAME` = a placeholder inside,
+    /// and its value goes on the wire only in TLS requests to its hosts. Needs sandbox networking.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<crate::SecretSpec>,
 }
 
 /// The resource limits of a sandbox, as set at create (defaults from the daemon's configuration).

@@ -203,6 +203,12 @@ pub struct CreateArgs {
     /// Let anyone reach the sandbox's ports (preview URLs) without its access token.
     #[arg(long)]
     pub public_ports: bool,
+    /// A secret kept out of the sandbox (docs/secrets.md): `NAME@HOST[,HOST...]`, its value read
+    /// from this command's own environment variable NAME (never from the command line); inside,
+    /// `$NAME` is a placeholder that the egress proxy replaces in TLS requests to the hosts.
+    /// Repeatable.
+    #[arg(long = "secret", value_name = "NAME@HOSTS")]
+    pub secrets: Vec<String>,
 }
 
 /// Egress policy flags (see docs/network.md).

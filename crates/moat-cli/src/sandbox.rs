@@ -32,6 +32,35 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
         },
         network: args.net.policy(),
         allow_public_traffic: args.public_ports.then_some(true),
+        secrets: args
+            .secrets
+            .iter()
+            .map(|s| secret_flag(s, |n| std::env::var(n).ok()))
+            .collect::<anyhow::Result<_>>()?,
+    })
+}
+
+/// `--secret NAME@HOST[,HOST...]`, its value from `lookup(NAME)` (the CLI's environment).
+fn secret_flag(
+    flag: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<moat_api::SecretSpec> {
+    let (name, hosts) = flag
+        .split_once('@')
+        .ok_or_else(|| anyhow::anyhow!("--secret {flag:?}: expected NAME@HOST[,HOST...]"))?;
+    let value = lookup(name).filter(|v| !v.is_empty()).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--secret {name}: set the value in this command's environment variable {name}"
+        )
+    })?;
+    Ok(moat_api::SecretSpec {
+        name: name.to_string(),
+        value,
+        hosts: hosts.split(',').map(str::to_string).collect(),
+        inject: Default::default(),
+        header: None,
+        format: None,
+        body: false,
     })
 }
 
@@ -330,4 +359,22 @@ pub async fn network_proposal(
         println!("# with --no-internet");
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::*;
+
+    #[test]
+    fn secret_flags_take_values_from_the_environment() {
+        let env = |n: &str| (n == "GH").then(|| "v".to_string());
+        let s = secret_flag("GH@api.github.com,uploads.github.com", env).unwrap();
+        assert_eq!((s.name.as_str(), s.value.as_str()), ("GH", "v"));
+        assert_eq!(s.hosts, ["api.github.com", "uploads.github.com"]);
+        assert!(secret_flag("GH", env).is_err());
+        assert!(secret_flag("NOPE@x.example", env)
+            .unwrap_err()
+            .to_string()
+            .contains("environment variable NOPE"));
+    }
 }

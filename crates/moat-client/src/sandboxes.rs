@@ -100,6 +100,40 @@ impl Client {
         .await
     }
 
+    /// `PUT /v1/sandboxes/{id}/secrets/{name}`: declares or rotates a secret of the sandbox.
+    pub async fn put_secret(
+        &self,
+        id: &str,
+        spec: &moat_api::SecretSpec,
+    ) -> Result<moat_api::SecretInfo> {
+        self.send_json(
+            self.request(Method::PUT, &["v1", "sandboxes", id, "secrets", &spec.name])
+                .json(spec),
+        )
+        .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/secrets`: the secrets that apply to it (names, hosts and
+    /// placeholders; never values).
+    pub async fn secrets(&self, id: &str) -> Result<Vec<moat_api::SecretInfo>> {
+        let l: moat_api::SecretList = self
+            .send_json(self.request(Method::GET, &["v1", "sandboxes", id, "secrets"]))
+            .await?;
+        Ok(l.secrets)
+    }
+
+    /// `PUT /v1/secrets/{name}`: a daemon-wide secret.
+    pub async fn put_daemon_secret(
+        &self,
+        spec: &moat_api::SecretSpec,
+    ) -> Result<moat_api::SecretInfo> {
+        self.send_json(
+            self.request(Method::PUT, &["v1", "secrets", &spec.name])
+                .json(spec),
+        )
+        .await
+    }
+
     /// `GET /v1/sandboxes/{id}/network/log`: connection log entries, oldest first (`follow` is
     /// ignored here; see [`Client::follow_network_log`]).
     pub async fn network_log(

@@ -118,6 +118,10 @@ pub struct ServeArgs {
     /// environment); re-read when a file changes or the daemon gets SIGHUP.
     #[arg(long = "deny-list", env = "MOAT_DENY_LIST", value_delimiter = ',')]
     pub deny_list: Vec<PathBuf>,
+    /// PEM certificates the egress proxy trusts, besides the host's own store, when it opens TLS to
+    /// a secret's host (docs/secrets.md): a private CA of your own services.
+    #[arg(long, env = "MOAT_EGRESS_CA_FILE", value_name = "PEM")]
+    pub egress_ca_file: Option<PathBuf>,
     /// Egress policy of sandboxes created without one, as JSON (`{"allow_internet": false,
     /// "allow_out": ["@pypi"]}`) or `@FILE` holding it; default: public internet allowed, private
     /// ranges and metadata blocked.

@@ -177,7 +177,38 @@ const MIGRATIONS: &[&str] = &[
         sandbox_id TEXT NOT NULL,
         at_ms INTEGER NOT NULL
     );",
+    // 11: secrets (docs/secrets.md): values sealed with the data dir's key; each sandbox's
+    // placeholders and certificate authority.
+    "CREATE TABLE secrets (
+        scope TEXT NOT NULL,
+        name TEXT NOT NULL,
+        sealed BLOB NOT NULL,
+        spec TEXT NOT NULL,
+        updated_ms INTEGER NOT NULL,
+        PRIMARY KEY (scope, name)
+    );
+    CREATE TABLE secret_placeholders (
+        sandbox_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        placeholder TEXT NOT NULL,
+        PRIMARY KEY (sandbox_id, name)
+    );
+    CREATE TABLE sandbox_ca (
+        sandbox_id TEXT PRIMARY KEY,
+        cert_pem TEXT NOT NULL,
+        sealed_key BLOB NOT NULL
+    );",
 ];
+
+/// A secret as stored: its value sealed, the rest (the spec without its value) as JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SecretRow {
+    pub scope: String,
+    pub name: String,
+    pub sealed: Vec<u8>,
+    pub spec: String,
+    pub updated_ms: i64,
+}
 
 /// A sandbox row.
 #[derive(Debug, Clone, PartialEq)]
@@ -778,6 +809,15 @@ impl Db {
             let tx = c.transaction()?;
             tx.execute("DELETE FROM sandboxes WHERE id = ?1", [id])?;
             tx.execute("DELETE FROM conditions WHERE sandbox_id = ?1", [id])?;
+            tx.execute(
+                "DELETE FROM secrets WHERE scope = ?1",
+                [format!("sandbox:{id}")],
+            )?;
+            tx.execute(
+                "DELETE FROM secret_placeholders WHERE sandbox_id = ?1",
+                [id],
+            )?;
+            tx.execute("DELETE FROM sandbox_ca WHERE sandbox_id = ?1", [id])?;
             tx.commit()?;
             Ok(())
         })
@@ -834,6 +874,94 @@ impl Db {
             let rows = st.query_map([], |r| parse_json(&r.get::<_, String>(0)?))?;
             rows.collect()
         })
+    }
+
+    pub fn put_secret(&self, r: &SecretRow) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO secrets (scope, name, sealed, spec, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![r.scope, r.name, r.sealed, r.spec, r.updated_ms],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Deletes a secret; whether there was one.
+    pub fn delete_secret(&self, scope: &str, name: &str) -> Result<bool> {
+        self.with(|c| {
+            c.execute(
+                "DELETE FROM secrets WHERE scope = ?1 AND name = ?2",
+                [scope, name],
+            )
+        })
+        .map(|n| n > 0)
+    }
+
+    /// The secrets of the scopes given, in the order of the scopes, then by name.
+    pub fn secrets(&self, scopes: &[&str]) -> Result<Vec<SecretRow>> {
+        let mut out = Vec::new();
+        for scope in scopes {
+            let rows = self.with(|c| {
+                let mut st = c.prepare_cached(
+                    "SELECT scope, name, sealed, spec, updated_ms FROM secrets WHERE scope = ?1 ORDER BY name",
+                )?;
+                let rows = st.query_map([scope], |r| {
+                    Ok(SecretRow {
+                        scope: r.get(0)?,
+                        name: r.get(1)?,
+                        sealed: r.get(2)?,
+                        spec: r.get(3)?,
+                        updated_ms: r.get(4)?,
+                    })
+                })?;
+                rows.collect::<rusqlite::Result<Vec<_>>>()
+            })?;
+            out.extend(rows);
+        }
+        Ok(out)
+    }
+
+    /// Sandbox `id`'s placeholders, by secret name.
+    pub fn placeholders(&self, id: &str) -> Result<BTreeMap<String, String>> {
+        self.with(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT name, placeholder FROM secret_placeholders WHERE sandbox_id = ?1",
+            )?;
+            let rows = st.query_map([id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            rows.collect::<rusqlite::Result<BTreeMap<String, String>>>()
+        })
+    }
+
+    pub fn put_placeholder(&self, id: &str, name: &str, placeholder: &str) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO secret_placeholders (sandbox_id, name, placeholder) VALUES (?1, ?2, ?3)",
+                [id, name, placeholder],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Sandbox `id`'s certificate authority: its certificate and sealed key.
+    pub fn sandbox_ca(&self, id: &str) -> Result<Option<(String, Vec<u8>)>> {
+        self.with(|c| {
+            c.query_row(
+                "SELECT cert_pem, sealed_key FROM sandbox_ca WHERE sandbox_id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+        })
+    }
+
+    pub fn put_sandbox_ca(&self, id: &str, cert_pem: &str, sealed_key: &[u8]) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "INSERT OR REPLACE INTO sandbox_ca (sandbox_id, cert_pem, sealed_key) VALUES (?1, ?2, ?3)",
+                params![id, cert_pem, sealed_key],
+            )
+        })?;
+        Ok(())
     }
 
     /// Forgets ended sandboxes and idempotency keys older than `before_ms`.

@@ -23,6 +23,7 @@ pub mod ids;
 pub mod layers;
 pub mod netlog;
 pub mod sandboxes;
+pub mod secrets;
 pub mod template;
 pub mod tier;
 
@@ -64,7 +65,12 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     let settings = args.settings()?;
     let audit = audit::Audit::start(db.clone(), args.audit_max_entries);
     let (netlog, events) = netlog::NetLog::start(db.clone(), audit.clone(), args.audit_max_entries);
-    let network = network_for(&args, db.clone(), events).await?;
+    let vault = Arc::new(secrets::Vault::new(&args.data_dir, db.clone()));
+    let network = network_for(&args, db.clone(), vault.clone(), events).await?;
+    let (violations_tx, violations) = tokio::sync::mpsc::unbounded_channel();
+    if let Some((_, egress)) = network.as_ref() {
+        egress.set_violation_sink(violations_tx);
+    }
     if let Some((net, egress)) = network.as_ref().filter(|n| !n.0.deny_files().is_empty()) {
         tokio::spawn(watch_deny_list(net.clone(), egress.clone()));
     }
@@ -110,8 +116,14 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         templates,
         Arc::new(layers::LayerStore::new(args.data_dir.join("layers"))?),
         tiers,
+        vault,
     );
     tokio::spawn(audit.clone().record_ends(services.sandboxes.ends()));
+    tokio::spawn(act_on_violations(
+        violations,
+        services.clone(),
+        audit.clone(),
+    ));
     services.recover().await.context("recover sandboxes")?;
     tokio::spawn(
         netlog
@@ -135,6 +147,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
         api_key,
         audit: audit.clone(),
         netlog,
+        vault: services.vault.clone(),
     });
     // One count of connections for every API listener: their caps hold together.
     let gate = api::serve::Gate::new(args.listen_limits().within_file_limit());
@@ -432,13 +445,89 @@ pub fn maybe_sandbox_init() -> Option<i32> {
     Some(tier::container::init::main(&config))
 }
 
-/// Where the egress proxy and resolver find a slot's sandbox and policy: the database.
-struct DbSlots(Arc<db::Db>);
+/// What follows a secret's placeholder headed where it does not belong (the proxy or resolver has
+/// refused it already): an audit entry, and what the sandbox's policy asks (`on_secret_violation`):
+/// nothing more, a pause, or a snapshot of its files named in the entry. At most one action per
+/// sandbox every 10 s (a loop of attempts is one incident).
+async fn act_on_violations(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<(String, host::egress::intercept::Violation)>,
+    services: sandboxes::Services,
+    audit: Arc<audit::Audit>,
+) {
+    use moat_api::SecretViolation;
+    // Keyed by the action too: a policy changed after an incident acts on the next one.
+    let mut last: std::collections::HashMap<(String, SecretViolation), std::time::Instant> =
+        Default::default();
+    while let Some((id, v)) = rx.recv().await {
+        let policy = services
+            .sandboxes
+            .get(&id)
+            .ok()
+            .and_then(|s| s.network)
+            .map(|n| n.policy.on_secret_violation)
+            .unwrap_or_default();
+        let now = std::time::Instant::now();
+        let repeat = last
+            .get(&(id.clone(), policy))
+            .is_some_and(|t| now.duration_since(*t) < std::time::Duration::from_secs(10));
+        last.retain(|_, t| now.duration_since(*t) < std::time::Duration::from_secs(10));
+        let mut detail = serde_json::json!({
+            "secret": v.secret, "host": v.host, "place": v.place,
+            "on_secret_violation": policy,
+        });
+        if !repeat {
+            last.insert((id.clone(), policy), now);
+            match policy {
+                SecretViolation::Block => {}
+                SecretViolation::BlockAndPause => match services.sandboxes.pause(&id).await {
+                    Ok(_) => detail["paused"] = true.into(),
+                    Err(e) => detail["error"] = format!("pause: {e}").into(),
+                },
+                SecretViolation::BlockAndSnapshot => {
+                    let req = moat_api::CreateSnapshotRequest {
+                        name: Some(format!(
+                            "secret-violation-{}-{}",
+                            id.trim_start_matches("sbx_").get(..8).unwrap_or("x"),
+                            clock::now_ms()
+                        )),
+                        metadata: [
+                            ("moat.reason".to_string(), "secret_violation".to_string()),
+                            ("moat.secret".to_string(), v.secret.clone()),
+                            ("moat.host".to_string(), v.host.clone()),
+                        ]
+                        .into(),
+                        ..Default::default()
+                    };
+                    match services.snapshots.snapshot(&id, req).await {
+                        Ok(s) => detail["snapshot"] = s.id.into(),
+                        Err(e) => detail["error"] = format!("snapshot: {e}").into(),
+                    }
+                }
+            }
+        } else {
+            detail["repeated"] = true.into();
+        }
+        audit
+            .record(audit::NewEntry {
+                at_ms: clock::now_ms(),
+                actor: audit::DAEMON.into(),
+                action: "secret.violation".into(),
+                sandbox_id: Some(id),
+                status: None,
+                detail,
+            })
+            .await;
+    }
+}
+
+/// Where the egress proxy and resolver find a slot's sandbox, policy and secrets: the database.
+struct DbSlots(Arc<db::Db>, Arc<secrets::Vault>);
 
 impl host::egress::PolicySource for DbSlots {
     fn by_slot(&self, slot: u32) -> Option<host::egress::SlotPolicy> {
         match self.0.network_by_slot(slot) {
             Ok(Some((sandbox_id, template, Some(policy)))) => Some(host::egress::SlotPolicy {
+                secrets: self.1.for_proxy(&sandbox_id, &template),
                 sandbox_id,
                 template,
                 policy,
@@ -472,6 +561,7 @@ type NetworkAndEgress = (host::net::Network, Arc<host::egress::Egress>);
 async fn network_for(
     args: &config::ServeArgs,
     db: Arc<db::Db>,
+    vault: Arc<secrets::Vault>,
     events: tokio::sync::mpsc::Sender<host::egress::Event>,
 ) -> Result<Option<NetworkAndEgress>> {
     if args.network == "none" {
@@ -504,7 +594,7 @@ async fn network_for(
     let egress = host::egress::Egress::new(
         net.subnet(),
         std::net::SocketAddr::new(dns.into(), 53),
-        Arc::new(DbSlots(db)),
+        Arc::new(DbSlots(db, vault)),
         host::egress::DenyList {
             entries: net.deny_list()?,
         },
@@ -514,6 +604,7 @@ async fn network_for(
             ..Default::default()
         },
     );
+    egress.set_extra_roots(args.egress_ca_file.clone());
     tokio::spawn(host::egress::dns::serve_udp(dns_udp, egress.clone()));
     tokio::spawn(host::egress::dns::serve_tcp(dns_tcp, egress.clone()));
     tokio::spawn(host::egress::proxy::serve(proxy, egress.clone()));

@@ -11,6 +11,7 @@ mod network;
 pub(crate) mod ports;
 mod proxy;
 mod sandboxes;
+mod secrets;
 pub mod serve;
 mod snapshots;
 mod templates;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, delete, get, post};
+use axum::routing::{any, delete, get, post, put};
 use axum::{Json, Router};
 use moat_api::ErrorCode;
 use utoipa::OpenApi;
@@ -40,6 +41,7 @@ pub struct AppState {
     pub api_key: String,
     pub audit: Arc<crate::audit::Audit>,
     pub netlog: Arc<crate::netlog::NetLog>,
+    pub vault: Arc<crate::secrets::Vault>,
 }
 
 /// Set on a response by a handler whose path has no sandbox id but that concerns one (create), so the
@@ -68,6 +70,9 @@ pub type St = State<Arc<AppState>>;
         network::log, network::proposal, network::template_proposal,
         snapshots::create, snapshots::list, snapshots::get, snapshots::delete, snapshots::fork,
         snapshots::reset, snapshots::pause, snapshots::resume, snapshots::disk_usage,
+        secrets::list_for_sandbox, secrets::put_for_sandbox, secrets::delete_for_sandbox,
+        secrets::list_daemon, secrets::put_daemon, secrets::delete_daemon,
+        secrets::list_template, secrets::put_template, secrets::delete_template,
     ),
     components(schemas(moat_api::ErrorBody, moat_api::ProcessEvent, moat_api::FsEvent, moat_api::BuildEvent, moat_api::CodeEvent)),
     modifiers(&BearerAuth),
@@ -80,6 +85,7 @@ pub type St = State<Arc<AppState>>;
         (name = "audit", description = "The audit log of API actions and commands"),
         (name = "network", description = "The connection log and allow-list proposals"),
         (name = "snapshots", description = "Snapshots, forks and reset"),
+        (name = "secrets", description = "Secrets kept out of sandboxes, put on the wire by the egress proxy"),
     )
 )]
 pub struct ApiDoc;
@@ -210,6 +216,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/snapshots/{id}/fork", post(snapshots::fork))
         .route("/v1/system/df", get(snapshots::disk_usage))
+        .route("/v1/sandboxes/{id}/secrets", get(secrets::list_for_sandbox))
+        .route(
+            "/v1/sandboxes/{id}/secrets/{name}",
+            put(secrets::put_for_sandbox).delete(secrets::delete_for_sandbox),
+        )
+        .route("/v1/secrets", get(secrets::list_daemon))
+        .route(
+            "/v1/secrets/{name}",
+            put(secrets::put_daemon).delete(secrets::delete_daemon),
+        )
+        .route("/v1/templates/{name}/secrets", get(secrets::list_template))
+        .route(
+            "/v1/templates/{name}/secrets/{secret}",
+            put(secrets::put_template).delete(secrets::delete_template),
+        )
         .route("/v1/audit", get(audit::list))
         .route("/v1/sandboxes/{id}/audit", get(audit::for_sandbox))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));

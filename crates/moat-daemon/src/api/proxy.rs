@@ -62,7 +62,9 @@ async fn forward<E: Endpoint>(
     let events = matches!(E::ROUTE.spec().answer, Payload::Ndjson(_))
         && parts.status == http::StatusCode::OK;
     let body = if events {
-        ended_events(id.to_string(), incoming)
+        let values = st.sandboxes.secret_values(id);
+        let redact = (!values.is_empty()).then(|| Redactor::new(values));
+        ended_events(id.to_string(), incoming, redact)
     } else {
         Body::new(incoming)
     };
@@ -72,11 +74,11 @@ async fn forward<E: Endpoint>(
 /// A process's event stream as the agent sends it, ended by an `error` event when it breaks (or
 /// ends) before the process's `exit`: a client reading the stream learns that the process's end is
 /// unknown and why, instead of a stream that stops.
-fn ended_events(id: String, incoming: hyper::body::Incoming) -> Body {
+fn ended_events(id: String, incoming: hyper::body::Incoming, redact: Option<Redactor>) -> Body {
     use futures::StreamExt;
     let frames = http_body_util::BodyStream::new(incoming);
-    let state = (frames, LastLine::default(), false);
-    let stream = futures::stream::unfold(state, move |(mut frames, mut last, done)| {
+    let state = (frames, LastLine::default(), false, redact);
+    let stream = futures::stream::unfold(state, move |(mut frames, mut last, done, mut redact)| {
         let id = id.clone();
         async move {
             if done {
@@ -85,14 +87,25 @@ fn ended_events(id: String, incoming: hyper::body::Incoming) -> Body {
             let broke = match frames.next().await {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) => {
+                        let data = match redact.as_mut() {
+                            Some(r) => r.feed(&data),
+                            None => data,
+                        };
                         last.feed(&data);
                         return Some((
                             Ok::<_, std::convert::Infallible>(data),
-                            (frames, last, false),
+                            (frames, last, false, redact),
                         ));
                     }
-                    Err(_) => return Some((Ok(bytes::Bytes::new()), (frames, last, false))),
+                    Err(_) => {
+                        return Some((Ok(bytes::Bytes::new()), (frames, last, false, redact)))
+                    }
                 },
+                None if redact.as_ref().is_some_and(|r| !r.partial.is_empty()) => {
+                    let rest = redact.as_mut().map(Redactor::finish).unwrap_or_default();
+                    last.feed(&rest);
+                    return Some((Ok(rest), (frames, last, false, redact)));
+                }
                 Some(Err(e)) => format!("the connection to sandbox {id}'s agent broke: {e}"),
                 None if last.exit => return None,
                 None => format!("sandbox {id}'s agent ended the stream"),
@@ -105,10 +118,105 @@ fn ended_events(id: String, incoming: hyper::body::Incoming) -> Body {
                 line.insert(0, b'\n');
             }
             line.push(b'\n');
-            Some((Ok(bytes::Bytes::from(line)), (frames, last, true)))
+            Some((Ok(bytes::Bytes::from(line)), (frames, last, true, redact)))
         }
     });
     Body::from_stream(stream)
+}
+
+fn replace_all(b: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    if from.is_empty() || memchr::memmem::find(b, from).is_none() {
+        return b.to_vec();
+    }
+    let mut out = Vec::with_capacity(b.len());
+    let mut rest = b;
+    while let Some(i) = memchr::memmem::find(rest, from) {
+        out.extend_from_slice(&rest[..i]);
+        out.extend_from_slice(to);
+        rest = &rest[i + from.len()..];
+    }
+    out.extend_from_slice(rest);
+    out
+}
+
+/// Takes a sandbox's secret values out of its processes' output events, should one ever get
+/// there (docs/secrets.md): each is replaced by `[secret NAME]` in the event's text or bytes.
+/// Works on whole lines (events); a value cut between two output chunks is not seen.
+struct Redactor {
+    values: Vec<(String, String)>,
+    partial: Vec<u8>,
+}
+
+impl Redactor {
+    fn new(values: Vec<(String, String)>) -> Redactor {
+        Redactor {
+            values,
+            partial: Vec::new(),
+        }
+    }
+
+    fn redact_bytes(&self, b: &[u8]) -> Vec<u8> {
+        let mut out = b.to_vec();
+        for (name, value) in &self.values {
+            out = replace_all(
+                &out,
+                value.as_bytes(),
+                format!("[secret {name}]").as_bytes(),
+            );
+        }
+        out
+    }
+
+    /// One event line, rewritten in place (its keys keep their order: clients read `type` first):
+    /// a value in its text as JSON writes it, and in its bytes (`data_b64`).
+    fn line(&self, line: &[u8]) -> Vec<u8> {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let mut out = line.to_vec();
+        for (name, value) in &self.values {
+            let esc = serde_json::to_string(value).unwrap_or_default();
+            let esc = esc.get(1..esc.len().saturating_sub(1)).unwrap_or("");
+            out = replace_all(&out, esc.as_bytes(), format!("[secret {name}]").as_bytes());
+        }
+        if memchr::memmem::find(&out, b"\"data_b64\"").is_some() {
+            let old = serde_json::from_slice::<serde_json::Value>(&out)
+                .ok()
+                .and_then(|v| {
+                    v.get("data_b64")
+                        .and_then(|d| d.as_str())
+                        .map(str::to_string)
+                });
+            if let Some(old) = old {
+                if let Ok(d) = b64.decode(&old) {
+                    let r = self.redact_bytes(&d);
+                    if r != d {
+                        out = replace_all(&out, old.as_bytes(), b64.encode(r).as_bytes());
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The whole lines of what came so far, redacted.
+    fn feed(&mut self, data: &[u8]) -> bytes::Bytes {
+        self.partial.extend_from_slice(data);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return bytes::Bytes::new();
+        };
+        let whole: Vec<u8> = self.partial.drain(..=end).collect();
+        let mut out = Vec::with_capacity(whole.len());
+        for l in whole.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            out.extend(self.line(l));
+            out.push(b'\n');
+        }
+        bytes::Bytes::from(out)
+    }
+
+    fn finish(&mut self) -> bytes::Bytes {
+        let rest = std::mem::take(&mut self.partial);
+        bytes::Bytes::from(self.line(&rest))
+    }
 }
 
 /// Whether the last whole line of an NDJSON event stream was the `exit` event (each event's
@@ -156,6 +264,37 @@ impl LastLine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_events_lose_secret_values_and_keep_their_order() {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let mut r = Redactor::new(vec![("TOKEN".into(), "s3cr\"et".into())]);
+        let text = br#"{"type":"stdout","data":"a s3cr\"et b"}"#.to_vec();
+        let bytes = format!(
+            r#"{{"type":"stderr","data_b64":"{}"}}"#,
+            b64.encode(b"x s3cr\"et y")
+        );
+        let mut input = text.clone();
+        input.push(b'\n');
+        input.extend_from_slice(bytes.as_bytes());
+        input.extend_from_slice(b"\n{\"type\":\"exit\"");
+        let (a, b) = input.split_at(10);
+        let mut out = r.feed(a).to_vec();
+        out.extend_from_slice(&r.feed(b));
+        out.extend_from_slice(&r.finish());
+        let out = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], r#"{"type":"stdout","data":"a [secret TOKEN] b"}"#);
+        assert_eq!(
+            lines[1],
+            format!(
+                r#"{{"type":"stderr","data_b64":"{}"}}"#,
+                b64.encode(b"x [secret TOKEN] y")
+            )
+        );
+        assert_eq!(lines[2], r#"{"type":"exit""#);
+    }
 
     #[test]
     fn the_exit_line_is_seen_across_chunks() {

@@ -118,6 +118,8 @@ pub struct Core {
     ends: tokio::sync::broadcast::Sender<Ended>,
     /// A sandbox's disk was capped as it started (the disk guard looks at every one then).
     pub(super) disk_capped_at_start: std::sync::atomic::AtomicBool,
+    /// Secrets (docs/secrets.md).
+    pub(super) vault: Arc<crate::secrets::Vault>,
 }
 
 /// How long a start in flight may keep a sandbox `starting` before a delete stops waiting for it.
@@ -237,9 +239,11 @@ impl Core {
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
         exits: super::exits::Exits,
+        vault: Arc<crate::secrets::Vault>,
     ) -> Core {
         Core {
             exits,
+            vault,
             host: HostLimits::of_this_host(&settings.data_dir),
             settings,
             db,
@@ -512,6 +516,7 @@ impl Core {
     /// Forgets what is kept in memory of a sandbox that is gone.
     pub(super) fn forget(&self, id: &str) {
         self.exits.forget(id);
+        self.vault.forget(id);
         if let Ok(mut m) = self.cpu_samples.lock() {
             m.remove(id);
         }

@@ -185,6 +185,7 @@ impl Core {
         let restoring = spec.restore.is_some();
         let mut config = agent_config(&rec.limits, &self.capabilities(rec.isolation), &rec.runtime);
         config.identity = Some(identity(rec, restoring));
+        config.egress_ca = self.vault.ca_pem(&rec.id);
         let state = tier.create(&spec).await?;
         // Record the tier state before anything else can fail, so a crash here is swept or adopted.
         self.db

@@ -111,6 +111,16 @@ impl Lifecycle {
         let template_rootfs = self.root_path(&template, stack.root.as_deref()).await?;
 
         let network = self.network_policy(isolation, req.network.as_ref())?;
+        if !req.secrets.is_empty() && network.is_none() {
+            return Err(Error::conflict(
+                "secrets need sandbox networking (the proxy puts them on the wire), and this \
+                 daemon runs with --network none",
+            ));
+        }
+        // A sandbox with secrets gets its placeholders and authority at its own start: never
+        // one from the warm pool.
+        let with_secrets = network.is_some()
+            && (!req.secrets.is_empty() || self.vault.applies_to_template(&template)?);
         let limits = match &snapshot {
             Some(s) => limits_over(&s.limits, &req),
             None => self.limits_for(&req),
@@ -136,6 +146,7 @@ impl Lifecycle {
         // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
         let fixed = |l: &SandboxLimits| (l.disk_mb, l.disk_inodes, l.tmp_mb);
         if snapshot.is_none()
+            && !with_secrets
             && self.pool.serves(&template, isolation)
             && fixed(&claim.limits) == fixed(&defaults)
             && self
@@ -146,7 +157,17 @@ impl Lifecycle {
                 return Ok(self.api(&rec));
             }
         }
-        let rec = self.new_record(claim, isolation, snapshot.as_ref(), stack);
+        let mut rec = self.new_record(claim, isolation, snapshot.as_ref(), stack);
+        if with_secrets {
+            // Its placeholders go over any of the same names (a snapshot's are another sandbox's).
+            let (env, _) = self
+                .vault
+                .prepare(&rec.id, &template, &req.secrets)
+                .inspect_err(|_| {
+                    let _ = self.db.delete_sandbox(&rec.id);
+                })?;
+            rec.env.extend(env);
+        }
         let rec = self.start_new(rec, tier, template_rootfs).await?;
         tracing::info!(sandbox = %rec.id, template = %rec.template, snapshot = ?rec.snapshot, "created");
         Ok(self.api(&rec))

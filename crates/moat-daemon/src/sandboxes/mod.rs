@@ -37,6 +37,7 @@ mod lifecycle;
 mod pool;
 mod reaper;
 mod recovery;
+mod secrets;
 mod snapshots;
 mod start;
 mod templates;
@@ -126,6 +127,7 @@ pub struct Services {
     pub snapshots: Arc<Snapshots>,
     pub templates: Arc<Templates>,
     pub builds: Arc<Builds>,
+    pub vault: Arc<crate::secrets::Vault>,
 }
 
 impl Services {
@@ -135,10 +137,17 @@ impl Services {
         templates: Arc<TemplateStore>,
         layers: Arc<LayerStore>,
         tiers: Vec<Arc<dyn IsolationTier>>,
+        vault: Arc<crate::secrets::Vault>,
     ) -> Services {
         let (exits, exited) = exits::Exits::new();
         let core = Arc::new(core::Core::new(
-            settings, db, templates, layers, tiers, exits,
+            settings,
+            db,
+            templates,
+            layers,
+            tiers,
+            exits,
+            vault.clone(),
         ));
         let pool = Arc::new(Pool::new(core.clone()));
         let sandboxes = Arc::new(Lifecycle::new(core.clone(), pool.clone()));
@@ -155,6 +164,7 @@ impl Services {
             snapshots,
             templates,
             builds,
+            vault,
         }
     }
 

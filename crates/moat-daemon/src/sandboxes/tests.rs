@@ -52,6 +52,7 @@ fn services(dir: &std::path::Path, db: &Arc<Db>, tier: &FakeTier, pool_size: u32
         Arc::new(TemplateStore::new(dir).unwrap()),
         Arc::new(LayerStore::new(dir.join("layers")).unwrap()),
         vec![Arc::new(tier.clone()) as Arc<dyn IsolationTier>],
+        Arc::new(crate::secrets::Vault::new(dir, db.clone())),
     )
 }
 

@@ -105,6 +105,7 @@ pub(super) fn agent_config(
         user: runtime.user.clone(),
         cwd: runtime.workdir.clone(),
         identity: None,
+        egress_ca: None,
     }
 }
 
@@ -205,6 +206,28 @@ impl Core {
         }
         if req.env.len() > 1000 {
             return Err(Error::invalid("env", "at most 1000 environment variables"));
+        }
+        if req.secrets.len() > 100 {
+            return Err(Error::invalid("secrets", "at most 100 secrets"));
+        }
+        for (i, sec) in req.secrets.iter().enumerate() {
+            moat_api::check_secret(sec)
+                .map_err(|(f, m)| Error::invalid(&format!("secrets[{i}].{f}"), m))?;
+            if req.secrets[..i].iter().any(|o| o.name == sec.name) {
+                return Err(Error::invalid(
+                    &format!("secrets[{i}].name"),
+                    format!("secret {} is declared twice", sec.name),
+                ));
+            }
+            if req.env.contains_key(&sec.name) {
+                return Err(Error::invalid(
+                    &format!("secrets[{i}].name"),
+                    format!(
+                        "{} is both an environment variable and a secret (its placeholder)",
+                        sec.name
+                    ),
+                ));
+            }
         }
         for (k, v) in &req.env {
             if k.is_empty()

@@ -32,7 +32,7 @@ def ended_error(d: Dict[str, Any]) -> Optional[NotFoundError]:
 
 
 def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, snapshot=None,
-                on_timeout=None, network=None, allow_public_traffic=None) -> Dict[str, Any]:
+                on_timeout=None, network=None, allow_public_traffic=None, secrets=None) -> Dict[str, Any]:
     body: Dict[str, Any] = {}
     for k, v in (("template", template), ("timeout", timeout), ("cpu", cpu), ("memory_mb", memory_mb),
                  ("isolation", isolation), ("snapshot", snapshot_ref(snapshot)), ("on_timeout", on_timeout),
@@ -44,6 +44,8 @@ def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, sn
         body["env"] = dict(envs)
     if metadata:
         body["metadata"] = dict(metadata)
+    if secrets:
+        body["secrets"] = [dict(x) for x in secrets]
     return body
 
 

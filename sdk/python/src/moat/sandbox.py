@@ -49,7 +49,8 @@ class Sandbox:
                api_key: Optional[str] = None, api_url: Optional[str] = None,
                snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
                network: Optional[PolicyLike] = None, allow_public_traffic: Optional[bool] = None,
-               idempotency_key: Optional[str] = None) -> "Sandbox":
+               idempotency_key: Optional[str] = None,
+               secrets: Optional[List[Dict[str, Any]]] = None) -> "Sandbox":
         """Creates a sandbox. ``timeout``: seconds until it is killed (daemon default 300).
 
         ``snapshot``: start from a snapshot (id, name or :class:`SnapshotInfo`); its template, tier, limits and
@@ -65,12 +66,16 @@ class Sandbox:
         ``idempotency_key``: a retry of this create with the same key and arguments (after a lost answer)
         returns the sandbox the first one made instead of a second (kept 24 h); other arguments under the
         same key raise :class:`IdempotencyError`.
+
+        ``secrets``: secrets kept out of the sandbox (docs/secrets.md), each a dict ``{"name", "value",
+        "hosts", "inject"?, "header"?, "format"?, "body"?}``: inside, ``$NAME`` is a placeholder the egress
+        proxy replaces with the value in TLS requests to ``hosts`` only.
         """
         api = SyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = api.json("POST", "/v1/sandboxes",
                          json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                snapshot, on_timeout, network, allow_public_traffic),
+                                                snapshot, on_timeout, network, allow_public_traffic, secrets),
                          headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             api.close()

@@ -120,6 +120,20 @@ async fn answer(egress: &Egress, peer: SocketAddr, bytes: &[u8], tcp: bool) -> O
     let name = moat_api::normalize_name(&q.name().to_utf8());
     let qtype = q.query_type();
     let mut verdict = egress.decide(&sp, None, Some(&name));
+    // A placeholder in a name would carry it out in the question itself (DNS tunnelling).
+    let leak = sp
+        .secrets
+        .as_deref()
+        .and_then(|sec| sec.placeholder_in(name.as_bytes()))
+        .map(|s| super::intercept::Violation {
+            secret: s.name.clone(),
+            host: name.clone(),
+            place: "dns",
+        });
+    if leak.is_some() {
+        verdict.decision = moat_api::NetDecision::Deny;
+        verdict.rule = "secret".into();
+    }
     let started = Instant::now();
     // Questions forwarded at once per sandbox are bounded (each holds a socket of the daemon).
     let held = egress.hold(peer, super::Kind::Dns);
@@ -147,10 +161,20 @@ async fn answer(egress: &Egress, peer: SocketAddr, bytes: &[u8], tcp: bool) -> O
             bytes_out: bytes.len() as u64,
             bytes_in: out.as_ref().map_or(0, |o| o.len() as u64),
             duration_ms: started.elapsed().as_millis() as u64,
-            error,
+            error: error.or_else(|| {
+                leak.as_ref().map(|v| {
+                    format!(
+                        "the placeholder of secret {} in a DNS question: refused",
+                        v.secret
+                    )
+                })
+            }),
             ..Event::new(&sp, "dns", None, verdict.decision, verdict.rule)
         })
         .await;
+    if let Some(v) = leak {
+        egress.violated(&sp.sandbox_id, v);
+    }
     out
 }
 

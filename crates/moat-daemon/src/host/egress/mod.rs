@@ -9,8 +9,10 @@
 //! be registered here.
 
 pub mod dns;
+pub mod intercept;
 pub mod nflog;
 pub mod proxy;
+pub mod secrets;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, RwLock};
@@ -27,6 +29,8 @@ pub struct SlotPolicy {
     pub sandbox_id: String,
     pub template: String,
     pub policy: NetworkPolicy,
+    /// Its secrets (docs/secrets.md), when it has any.
+    pub secrets: Option<Arc<secrets::SandboxSecrets>>,
 }
 
 /// Where the egress servers find who holds a slot (the daemon's database; a cluster's store later).
@@ -240,6 +244,12 @@ pub struct Egress {
     /// file descriptors of the daemon, which a hostile sandbox must not exhaust for everyone.
     inflight: std::sync::Mutex<std::collections::HashMap<(u32, Kind), usize>>,
     limits: Limits,
+    /// How the proxy verifies a secret's host when it connects to it: the host's trust roots and
+    /// `--egress-ca-file` (made at first use).
+    upstream_tls: std::sync::OnceLock<Arc<rustls::ClientConfig>>,
+    extra_roots: RwLock<Option<std::path::PathBuf>>,
+    /// Where a placeholder headed to the wrong host is reported (the daemon acts on its policy).
+    violations: std::sync::OnceLock<mpsc::UnboundedSender<(String, intercept::Violation)>>,
 }
 
 /// What a sandbox holds open in the daemon.
@@ -317,7 +327,44 @@ impl Egress {
             events,
             inflight: Default::default(),
             limits,
+            upstream_tls: Default::default(),
+            extra_roots: RwLock::new(None),
+            violations: Default::default(),
         })
+    }
+
+    /// Roots trusted, besides the host's, for a secret's host (`--egress-ca-file`; set before the
+    /// first connection).
+    pub fn set_extra_roots(&self, path: Option<std::path::PathBuf>) {
+        *self.extra_roots.write().unwrap_or_else(|e| e.into_inner()) = path;
+    }
+
+    /// The TLS client configuration the proxy uses towards a secret's host.
+    pub fn upstream_tls(&self) -> Arc<rustls::ClientConfig> {
+        self.upstream_tls
+            .get_or_init(|| {
+                let extra = self
+                    .extra_roots
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                Arc::new(upstream_tls(extra.as_deref()))
+            })
+            .clone()
+    }
+
+    /// Where violations go (set once by the daemon).
+    pub fn set_violation_sink(&self, tx: mpsc::UnboundedSender<(String, intercept::Violation)>) {
+        let _ = self.violations.set(tx);
+    }
+
+    /// Reports a placeholder of `sandbox` headed where it does not belong.
+    pub fn violated(&self, sandbox: &str, v: intercept::Violation) {
+        tracing::warn!(sandbox, secret = %v.secret, host = %v.host, place = v.place,
+            "a secret's placeholder headed to a host it does not belong to: refused");
+        if let Some(tx) = self.violations.get() {
+            let _ = tx.send((sandbox.to_string(), v));
+        }
     }
 
     /// Takes one unit of a sandbox's share of `kind`, or None when it holds its limit already.
@@ -414,6 +461,36 @@ impl Egress {
     pub async fn log(&self, e: Event) {
         let _ = self.events.send(e).await;
     }
+}
+
+/// Trust roots for a secret's host: the host's own store (`SSL_CERT_FILE`/`SSL_CERT_DIR` honoured)
+/// and the PEM certificates of `extra`.
+fn upstream_tls(extra: Option<&std::path::Path>) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for e in &native.errors {
+        tracing::warn!("egress trust roots: {e}");
+    }
+    let (added, _) = roots.add_parsable_certificates(native.certs);
+    let mut extra_n = 0;
+    if let Some(p) = extra {
+        match std::fs::read(p) {
+            Ok(pem) => {
+                let certs: Vec<_> = rustls::pki_types::pem::PemObject::pem_slice_iter(&pem)
+                    .filter_map(Result::ok)
+                    .collect();
+                extra_n = roots.add_parsable_certificates(certs).0;
+            }
+            Err(e) => tracing::error!(path = %p.display(), "--egress-ca-file: {e}"),
+        }
+    }
+    tracing::debug!(system = added, extra = extra_n, "egress trust roots");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
 }
 
 /// The host's own IPv4 addresses (a name a sandbox asks for must not lead the proxy to the host).

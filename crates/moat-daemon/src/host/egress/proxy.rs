@@ -246,8 +246,12 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
     // CIDR already allows the address (allow beats deny) unless the deny list has names (which beat
     // everything): then no need to wait for the client's first bytes.
     let deny_names = egress.deny_list().has_names();
-    let names_matter =
-        deny_names || (sp.policy.has_names() && !super::allowed_by_cidr(&sp.policy, *orig.ip()));
+    // With secrets, the first bytes always count: a TLS name they belong to is intercepted, and a
+    // placeholder must not leave in clear.
+    let secrets = sp.secrets.clone();
+    let names_matter = deny_names
+        || secrets.is_some()
+        || (sp.policy.has_names() && !super::allowed_by_cidr(&sp.policy, *orig.ip()));
     let (mut head, mut name) = if names_matter {
         peek(&mut conn).await
     } else {
@@ -265,6 +269,18 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
         ev.error = error;
         ev
     };
+    if let Some(v) = secrets
+        .as_deref()
+        .and_then(|sec| secret_in_clear(sec, &head, name.as_ref(), orig))
+    {
+        ev.decision = NetDecision::Deny;
+        ev.rule = "secret".into();
+        let why = violation_message(&v);
+        reset(conn);
+        egress.log(finish(ev, Some(why))).await;
+        egress.violated(&sp.sandbox_id, v);
+        return;
+    }
     if !verdict.allowed() {
         reset(conn);
         egress.log(finish(ev, None)).await;
@@ -314,6 +330,33 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
         }
     };
     ev.dialed = Some(target);
+    if let (Some(sec), Some((n, "sni"))) = (&secrets, &name) {
+        if sec.intercepts(n) {
+            let o = super::intercept::serve(
+                conn,
+                head,
+                n.clone(),
+                target,
+                sec.clone(),
+                egress.upstream_tls(),
+            )
+            .await;
+            ev.bytes_out = o.bytes_out;
+            ev.bytes_in = o.bytes_in;
+            ev.name_source = Some("sni (secrets)".into());
+            let mut error = o.error;
+            if let Some(v) = o.violation {
+                ev.decision = NetDecision::Deny;
+                ev.rule = "secret".into();
+                error = Some(violation_message(&v));
+                egress.log(finish(ev, error)).await;
+                egress.violated(&sp.sandbox_id, v);
+                return;
+            }
+            egress.log(finish(ev, error)).await;
+            return;
+        }
+    }
     let mut upstream =
         match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(SocketAddr::V4(target)))
             .await
@@ -363,6 +406,30 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
         }
     }
     ev.bytes_out = head.len() as u64;
+    let cleartext = head.first().is_some_and(|b| *b != 0x16);
+    if let (None, Some(sec), true) = (&error, &secrets, cleartext) {
+        // Not TLS: every byte the sandbox sends is watched for a placeholder.
+        let r = relay_watched(&mut conn, &mut upstream, sec).await;
+        ev.bytes_out += r.0;
+        ev.bytes_in = r.1;
+        if let Some(secret) = r.2 {
+            let v = super::intercept::Violation {
+                secret,
+                host: name
+                    .as_ref()
+                    .map_or_else(|| target.ip().to_string(), |(n, _)| n.clone()),
+                place: "stream",
+            };
+            ev.decision = NetDecision::Deny;
+            ev.rule = "secret".into();
+            reset(conn);
+            egress.log(finish(ev, Some(violation_message(&v)))).await;
+            egress.violated(&sp.sandbox_id, v);
+            return;
+        }
+        egress.log(finish(ev, r.3)).await;
+        return;
+    }
     if error.is_none() {
         match tokio::io::copy_bidirectional_with_sizes(
             &mut conn,
@@ -381,6 +448,115 @@ async fn handle(egress: &Egress, sp: SlotPolicy, mut conn: TcpStream, orig: Sock
         }
     }
     egress.log(finish(ev, error)).await;
+}
+
+/// A placeholder of `sec` in the first bytes of a connection: in the TLS server name (any host is
+/// wrong for it), in an HTTP Host, or anywhere in bytes that are not TLS (a secret never goes in
+/// clear, even to its own host).
+fn secret_in_clear(
+    sec: &super::secrets::SandboxSecrets,
+    head: &[u8],
+    name: Option<&(String, &'static str)>,
+    orig: SocketAddrV4,
+) -> Option<super::intercept::Violation> {
+    let host = name.map_or_else(|| orig.ip().to_string(), |(n, _)| n.clone());
+    if let Some((n, src)) = name {
+        if let Some(s) = sec.placeholder_in(n.as_bytes()) {
+            return Some(super::intercept::Violation {
+                secret: s.name.clone(),
+                host,
+                place: if *src == "sni" { "sni" } else { "header" },
+            });
+        }
+    }
+    if head.first().is_some_and(|b| *b != 0x16) {
+        if let Some(s) = sec.placeholder_in(head) {
+            return Some(super::intercept::Violation {
+                secret: s.name.clone(),
+                host,
+                place: "stream",
+            });
+        }
+    }
+    None
+}
+
+fn violation_message(v: &super::intercept::Violation) -> String {
+    match v.place {
+        "stream" => format!(
+            "the placeholder of secret {} sent in clear to {} (secrets go only over TLS, to their \
+             hosts): refused",
+            v.secret, v.host
+        ),
+        _ => format!(
+            "the placeholder of secret {} headed to {}, a host it does not belong to (in the {}): \
+             refused",
+            v.secret, v.host, v.place
+        ),
+    }
+}
+
+/// Relays both ways, watching what the sandbox sends for a placeholder of `sec`: (bytes out,
+/// bytes in, the secret whose placeholder stopped it, an error).
+async fn relay_watched(
+    conn: &mut TcpStream,
+    upstream: &mut TcpStream,
+    sec: &super::secrets::SandboxSecrets,
+) -> (u64, u64, Option<String>, Option<String>) {
+    let (mut cr, mut cw) = conn.split();
+    let (mut ur, mut uw) = upstream.split();
+    let up = async {
+        let mut buf = vec![0u8; RELAY_BUF];
+        let mut scan = super::secrets::Scanner::new();
+        let mut sent = 0u64;
+        loop {
+            let n = cr.read(&mut buf).await?;
+            if n == 0 {
+                let _ = uw.shutdown().await;
+                return Ok::<_, std::io::Error>((sent, None));
+            }
+            if let Some(s) = scan.foreign(sec, &buf[..n], None) {
+                return Ok((sent, Some(s.name.clone())));
+            }
+            uw.write_all(&buf[..n]).await?;
+            sent += n as u64;
+        }
+    };
+    let down = async {
+        let n = tokio::io::copy(&mut ur, &mut cw).await?;
+        let _ = cw.shutdown().await;
+        Ok::<_, std::io::Error>(n)
+    };
+    tokio::pin!(up, down);
+    let (mut up_r, mut down_r) = (None, None);
+    while up_r.is_none() || down_r.is_none() {
+        tokio::select! {
+            r = &mut up, if up_r.is_none() => {
+                if let Ok((sent, Some(secret))) = r {
+                    return (sent, 0, Some(secret), None);
+                }
+                up_r = Some(r);
+            }
+            r = &mut down, if down_r.is_none() => down_r = Some(r),
+        }
+    }
+    let mut error = None;
+    let (mut sent, mut inn) = (0, 0);
+    match up_r {
+        Some(Ok((n, _))) => sent = n,
+        Some(Err(e)) if e.kind() != std::io::ErrorKind::ConnectionReset => {
+            error = Some(e.to_string())
+        }
+        _ => {}
+    }
+    match down_r {
+        Some(Ok(n)) => inn = n,
+        Some(Err(e)) if e.kind() != std::io::ErrorKind::ConnectionReset => {
+            error = Some(e.to_string())
+        }
+        _ => {}
+    }
+    (sent, inn, None, error)
 }
 
 #[cfg(test)]

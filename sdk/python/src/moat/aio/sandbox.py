@@ -43,13 +43,14 @@ class AsyncSandbox:
                      snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
                      network: Optional[PolicyLike] = None,
                      allow_public_traffic: Optional[bool] = None,
-                     idempotency_key: Optional[str] = None) -> "AsyncSandbox":
+                     idempotency_key: Optional[str] = None,
+                     secrets: Optional[List[Dict[str, Any]]] = None) -> "AsyncSandbox":
         """Creates a sandbox (see :meth:`Sandbox.create`)."""
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("POST", "/v1/sandboxes",
                                json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                      snapshot, on_timeout, network, allow_public_traffic),
+                                                      snapshot, on_timeout, network, allow_public_traffic, secrets),
                                headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             await api.close()
