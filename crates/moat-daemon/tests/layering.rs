@@ -16,6 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["db", "layers"],
     &["tier"],
     &["error"],
+    &["secrets"],
     &["template"],
     &["sandboxes", "code"],
     &["audit"],

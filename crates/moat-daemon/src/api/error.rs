@@ -131,10 +131,49 @@ pub fn from_serde_path(
         },
         _ => path,
     };
-    let message = format!("invalid {what}: {msg}");
+    // A secret's value is never repeated back, not even one of the wrong type (serde quotes it).
+    let secret_value =
+        field == "value" || (field.starts_with("secrets[") && field.ends_with(".value"));
+    let message = if secret_value {
+        format!("invalid {what}: a secret's value is a string")
+    } else {
+        format!("invalid {what}: {msg}")
+    };
     if field.is_empty() {
         ApiError::new(ErrorCode::InvalidArgument, message)
     } else {
         ApiError::invalid(&field, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_secret_value_of_the_wrong_type_is_not_repeated() {
+        for (body, field) in [
+            (
+                r#"{"secrets":[{"name":"X","value":918273645,"hosts":["a.example"]}]}"#,
+                "secrets[0].value",
+            ),
+            (r#"{"value":918273645,"hosts":["a.example"]}"#, "value"),
+        ] {
+            let de = &mut serde_json::Deserializer::from_str(body);
+            let err = if field == "value" {
+                serde_path_to_error::deserialize::<_, moat_api::SecretSpec>(de).map(|_| ())
+            } else {
+                serde_path_to_error::deserialize::<_, moat_api::CreateSandboxRequest>(de)
+                    .map(|_| ())
+            }
+            .unwrap_err();
+            let e = from_serde_path(err, "body");
+            assert_eq!(e.0.error.field.as_deref(), Some(field));
+            assert!(
+                !e.0.error.message.contains("918273645"),
+                "{}",
+                e.0.error.message
+            );
+        }
     }
 }

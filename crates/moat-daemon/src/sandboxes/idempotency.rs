@@ -38,8 +38,14 @@ impl Lifecycle {
         req: CreateSandboxRequest,
     ) -> Result<(Sandbox, bool), Error> {
         check_key(key)?;
+        // Secret values stay out of what is kept of the request, even hashed: a retry is the same
+        // request whatever values it carries.
+        let mut kept = req.clone();
+        for s in &mut kept.secrets {
+            s.value.clear();
+        }
         let digest = hex::encode(Sha256::digest(
-            serde_json::to_vec(&req).map_err(|e| Error::internal(format!("encode: {e}")))?,
+            serde_json::to_vec(&kept).map_err(|e| Error::internal(format!("encode: {e}")))?,
         ));
         let lock = {
             let mut m = self
