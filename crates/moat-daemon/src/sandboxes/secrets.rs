@@ -60,6 +60,17 @@ impl Lifecycle {
         }
     }
 
+    /// Ends sandbox `id` because its policy says so (`killed_by_policy`, kept 24 h with `message`).
+    pub async fn end_by_policy(&self, id: &str, message: String) -> Result<(), Error> {
+        let rec = self.record(id)?;
+        if rec.state == moat_api::SandboxState::Starting {
+            return Err(Error::conflict(format!("sandbox {id} is still starting")));
+        }
+        self.end(rec, moat_api::Reason::KilledByPolicy, message)
+            .await
+            .map_err(|e| Error::internal(format!("end sandbox {id}: {e:#}")))
+    }
+
     /// Removes sandbox `id`'s own secret `name` (its placeholder then goes nowhere).
     pub fn delete_secret(&self, id: &str, name: &str) -> Result<(), Error> {
         self.record(id)?;
