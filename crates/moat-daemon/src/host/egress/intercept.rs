@@ -301,6 +301,32 @@ async fn connect(
     }
 }
 
+/// Whether a request's authority (`host[:port]`) names `host`.
+fn same_host(authority: &str, host: &str) -> bool {
+    let name = match authority.rsplit_once(':') {
+        Some((n, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => authority,
+    };
+    moat_api::normalize_name(name) == moat_api::normalize_name(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_is_for_the_connections_host_or_refused() {
+        assert!(same_host("api.github.com", "api.github.com"));
+        assert!(same_host("API.GitHub.com.:443", "api.github.com"));
+        assert!(!same_host("evil.example", "api.github.com"));
+        assert!(!same_host(
+            "api.github.com.evil.example:443",
+            "api.github.com"
+        ));
+        assert!(!same_host("[::1]:443", "api.github.com"));
+    }
+}
+
 /// Headers that belong to one hop of a connection (never forwarded between HTTP versions).
 const HOP: [&str; 6] = [
     "connection",
@@ -450,6 +476,17 @@ async fn handle(sh: &Arc<Shared>, req: Request<Incoming>) -> Response<OutBody> {
                 .map(str::to_string)
         })
         .unwrap_or_else(|| host.to_string());
+    // The request must be for the host the connection was terminated for: a shared front (a CDN)
+    // routes by Host, so `Host: attacker.example` inside a connection to a secret's host would
+    // carry the value to another site (domain fronting).
+    if !same_host(&authority, host) {
+        let mut r = Response::new(full(format!(
+            "moat: this connection carries secrets for {host}; a request for {authority} is \
+             refused (open a connection to that host instead)\n"
+        )));
+        *r.status_mut() = StatusCode::MISDIRECTED_REQUEST;
+        return r;
+    }
     let path = parts
         .uri
         .path_and_query()
