@@ -310,23 +310,6 @@ fn same_host(authority: &str, host: &str) -> bool {
     moat_api::normalize_name(name) == moat_api::normalize_name(host)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_request_is_for_the_connections_host_or_refused() {
-        assert!(same_host("api.github.com", "api.github.com"));
-        assert!(same_host("API.GitHub.com.:443", "api.github.com"));
-        assert!(!same_host("evil.example", "api.github.com"));
-        assert!(!same_host(
-            "api.github.com.evil.example:443",
-            "api.github.com"
-        ));
-        assert!(!same_host("[::1]:443", "api.github.com"));
-    }
-}
-
 /// Headers that belong to one hop of a connection (never forwarded between HTTP versions).
 const HOP: [&str; 6] = [
     "connection",
@@ -685,5 +668,22 @@ impl Body for Redacted {
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_is_for_the_connections_host_or_refused() {
+        assert!(same_host("api.github.com", "api.github.com"));
+        assert!(same_host("API.GitHub.com.:443", "api.github.com"));
+        assert!(!same_host("evil.example", "api.github.com"));
+        assert!(!same_host(
+            "api.github.com.evil.example:443",
+            "api.github.com"
+        ));
+        assert!(!same_host("[::1]:443", "api.github.com"));
     }
 }
