@@ -709,10 +709,47 @@ pub fn cgroup_file(id: &str, controller: &str, file: &str) -> std::io::Result<St
 
 /// A distinct host uid range for every extra daemon a test starts (ranges must not overlap between
 /// daemons, or the no-leak checks would see another daemon's sandbox as a leftover).
+/// The uid bases of the daemons of this test binary that are still alive.
+static UID_BASES_IN_USE: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+/// A host uid base for a test's own daemon: one of ten disjoint ranges, never one a live daemon of
+/// this run holds (two daemons on one base give two sandboxes the same host uid, and the no-leak
+/// checks of one then see the other's processes). Held until the daemon is dropped.
 pub fn next_uid_base() -> String {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10;
-    (1_300_000_000u64 + n as u64 * 300_000_000).to_string()
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        {
+            let mut used = UID_BASES_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+            for _ in 0..10 {
+                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10;
+                let base = 1_300_000_000u64 + n as u64 * 300_000_000;
+                if !used.contains(&base) {
+                    used.push(base);
+                    return base.to_string();
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ten daemons of this run hold every uid base"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Gives back the uid base in `args` (`--uid-base N`), if any.
+fn release_uid_base(args: &[String]) {
+    if let Some(base) = args
+        .windows(2)
+        .find(|w| w[0] == "--uid-base")
+        .and_then(|w| w[1].parse::<u64>().ok())
+    {
+        UID_BASES_IN_USE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|b| *b != base);
+    }
 }
 
 /// The shared daemon with the `code-interpreter` template (base + numpy, pandas, matplotlib) built
@@ -762,6 +799,7 @@ fn ensure_template(client: Client, name: &'static str) {
 impl Drop for Daemon {
     fn drop(&mut self) {
         if self.child.lock().map(|c| c.is_none()).unwrap_or(true) {
+            release_uid_base(&self.extra_args);
             return;
         }
         let key = std::fs::read_to_string(self.data_dir.join("api-key")).unwrap_or_default();
@@ -773,6 +811,7 @@ impl Drop for Daemon {
             .stderr(Stdio::null())
             .status();
         self.stop();
+        release_uid_base(&self.extra_args);
     }
 }
 

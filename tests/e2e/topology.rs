@@ -36,8 +36,10 @@ pub struct Topology {
 
 impl Topology {
     pub fn new(dir: &Path) -> Topology {
-        let r = &next_uid_base()[..4];
-        let tag = format!("{r}{}", std::process::id() % 10_000);
+        // A tag of this topology's own (namespaces and links are named after it).
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let r = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 10_000;
+        let tag = format!("{r:04}{}", std::process::id() % 10_000);
         let host = format!("mtt{tag}h");
         let internet = format!("mtt{tag}i");
         let (a, b) = (format!("mtt{tag}a"), format!("mtt{tag}b"));

@@ -238,6 +238,8 @@ impl Vault {
             Ca::generate(id).map_err(|e| Error::internal(format!("a sandbox CA: {e:#}")))?;
         let sealed = self.seal(&format!("ca\0{id}"), key_pem.as_bytes())?;
         self.db.put_sandbox_ca(id, ca.pem(), &sealed)?;
+        // A connection between a secret's declaration and this cached "no authority, no secrets".
+        self.changed();
         Ok(ca.pem().to_string())
     }
 
