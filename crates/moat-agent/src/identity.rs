@@ -80,15 +80,21 @@ fn write_machine_id(path: &Path, id: &str, create: bool) -> std::io::Result<()> 
     if !exists && !may_create {
         return Ok(());
     }
+    replace_file(path, format!("{id}\n").as_bytes(), 0o444)
+}
+
+/// Replaces `path` with a new regular file holding `body` with `mode`, written beside it and renamed
+/// over it (a symlink planted at `path` is replaced, not followed).
+pub fn replace_file(path: &Path, body: &[u8], mode: u32) -> std::io::Result<()> {
     let tmp = path.with_extension("moat-new");
     let _ = std::fs::remove_file(&tmp);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(&tmp)?;
-    f.write_all(format!("{id}\n").as_bytes())?;
+    f.write_all(body)?;
     drop(f);
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o444))?;
+    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
     std::fs::rename(&tmp, path)
 }
 

@@ -5,7 +5,6 @@
 //! there is none; it is also written alone to /etc/moat/egress-ca.pem. Processes started from now on
 //! get the variables Python's requests, Node, curl, git and OpenSSL read.
 
-use std::io::Write;
 use std::path::Path;
 
 const BEGIN: &str = "# moat egress CA (begin: replaced at every sandbox start)";
@@ -41,21 +40,12 @@ fn with_block(text: &str, pem: &str) -> String {
     out
 }
 
-/// Replaces `path` with `body` (a symlink there is replaced, not followed).
+/// Replaces `path` with `body` (its directory made when missing).
 fn write(path: &Path, body: &str) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
-    let tmp = path.with_extension("moat-new");
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)?;
-    f.write_all(body.as_bytes())?;
-    drop(f);
-    std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
-    std::fs::rename(&tmp, path)
+    crate::identity::replace_file(path, body.as_bytes(), 0o644)
 }
 
 /// Installs `pem`; returns what could not be done.
