@@ -183,6 +183,42 @@ fn on_pseudo_fs(file: &std::fs::File) -> bool {
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// The name a file is written under beside its destination before it is renamed over it:
+/// `.NAME.moat-new-PID-N` for a file that did not exist, `.NAME.moat-tmp-PID-N` for one replaced.
+/// Watchers (`watch.rs`) hide these and report the rename as what it is to the user: the file
+/// created (when new) and written.
+fn temp_name(name: &str, new: bool) -> String {
+    format!(
+        ".{name}.moat-{}-{}-{}",
+        if new { "new" } else { "tmp" },
+        std::process::id(),
+        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+#[cfg(test)]
+pub(crate) fn temp_name_for_test(name: &str, new: bool) -> String {
+    temp_name(name, new)
+}
+
+/// Whether `name` is one of [`temp_name`]'s, and if so whether its destination is new.
+pub fn temp_of(name: &str) -> Option<bool> {
+    if !name.starts_with('.') {
+        return None;
+    }
+    let (new, rest) = if let Some(i) = name.rfind(".moat-new-") {
+        (true, &name[i + ".moat-new-".len()..])
+    } else if let Some(i) = name.rfind(".moat-tmp-") {
+        (false, &name[i + ".moat-tmp-".len()..])
+    } else {
+        return None;
+    };
+    let mut parts = rest.split('-');
+    let numeric =
+        |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    (numeric(parts.next()) && numeric(parts.next()) && parts.next().is_none()).then_some(new)
+}
+
 /// `PUT /files?path=&mode=&user=`: body → temp file → fsync → rename over the target.
 pub async fn write_file(query: Option<&str>, body: Incoming) -> HandlerResult {
     let q = crate::http::query_of::<endpoint::WriteFile>(query)?;
@@ -207,19 +243,14 @@ pub async fn write_file(query: Option<&str>, body: Incoming) -> HandlerResult {
         ));
     }
     let mode = mode
-        .or(existing.map(|m| m.mode() & 0o7777))
+        .or(existing.as_ref().map(|m| m.mode() & 0o7777))
         .unwrap_or(0o644);
     let (uid, gid) = (user.uid, user.gid);
     {
         let parent = parent.clone();
         blocking(move || create_dirs(&parent, uid, gid)).await?;
     }
-    let tmp = parent.join(format!(
-        ".{}.moat-tmp-{}-{}",
-        name.to_string_lossy(),
-        std::process::id(),
-        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let tmp = parent.join(temp_name(&name.to_string_lossy(), existing.is_none()));
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -396,6 +427,24 @@ pub async fn remove(query: Option<&str>) -> HandlerResult {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn temporary_names_are_recognised_and_nothing_else() {
+        assert_eq!(super::temp_of(&super::temp_name("f.txt", true)), Some(true));
+        assert_eq!(
+            super::temp_of(&super::temp_name("a.moat-tmp-1", false)),
+            Some(false)
+        );
+        for other in [
+            "f.txt",
+            ".f.moat-tmp-",
+            ".f.moat-tmp-1",
+            ".f.moat-new-1-x",
+            "f.moat-tmp-1-2",
+        ] {
+            assert_eq!(super::temp_of(other), None, "{other}");
+        }
+    }
+
     use super::*;
 
     fn r(p: &str) -> String {

@@ -48,7 +48,10 @@ impl Journal {
     }
 
     /// Appends a record; the oldest go when the bounds are passed.
-    pub fn push(&self, event: JournalEvent, at_us: u64, process: ProcessInfo) {
+    pub fn push(&self, event: JournalEvent, at_us: u64, mut process: ProcessInfo) {
+        // The journal feeds the audit log: a process's variables (a token passed to one command)
+        // stay out of it.
+        process.env.clear();
         let mut j = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let size = size_of(&process);
         let seq = j.next_seq;
@@ -104,6 +107,7 @@ mod tests {
             pid,
             tag: None,
             cmd: vec!["x".repeat(argv_len)],
+            env: Default::default(),
             cwd: "/".into(),
             user: "root".into(),
             pty: false,

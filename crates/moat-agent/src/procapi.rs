@@ -108,6 +108,7 @@ pub async fn start(agent: &Agent, body: Incoming) -> HandlerResult {
         program,
         argv,
         env,
+        asked_env: req.env.clone(),
         cwd,
         user,
         pty: req.pty,

@@ -49,6 +49,8 @@ pub struct SpawnSpec {
     /// argv as requested (argv[0] is passed as is).
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// The variables the request set (what the process list shows).
+    pub asked_env: std::collections::BTreeMap<String, String>,
     pub cwd: PathBuf,
     pub user: User,
     pub pty: Option<PtySize>,
@@ -61,6 +63,7 @@ pub struct Proc {
     pub pid: u32,
     pub tag: Option<String>,
     pub cmd: Vec<String>,
+    pub env: std::collections::BTreeMap<String, String>,
     pub cwd: String,
     pub user: String,
     pub started_at_us: u64,
@@ -109,6 +112,7 @@ impl Proc {
             pid: self.pid,
             tag: self.tag.clone(),
             cmd: self.cmd.clone(),
+            env: self.env.clone(),
             cwd: self.cwd.clone(),
             user: self.user.clone(),
             pty: self.is_pty(),
@@ -429,6 +433,7 @@ impl Processes {
             pid,
             tag: spec.tag.clone(),
             cmd: spec.argv.clone(),
+            env: spec.asked_env.clone(),
             cwd: spec.cwd.to_string_lossy().into_owned(),
             user: spec.user.name.clone(),
             started_at_us: now_us(),

@@ -12,7 +12,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
-use crate::fsops::resolve;
+use crate::fsops::{resolve, temp_of};
 use crate::http::{ndjson_line, now_us, streamed, ApiError, HandlerResult};
 
 /// Most watches one stream may add (recursive watches of huge trees stop there).
@@ -40,6 +40,8 @@ fn mask() -> AddWatchFlags {
 struct Watcher {
     dirs: HashMap<WatchDescriptor, PathBuf>,
     recursive: bool,
+    /// Renames of the file API's temporary files under way (inotify cookie → destination new).
+    renames: HashMap<u32, bool>,
 }
 
 impl Watcher {
@@ -87,6 +89,40 @@ impl Watcher {
                 _ => base.clone(),
             };
             let m = ev.mask;
+            // The file API writes beside the destination and renames over it: the temporary file
+            // is not reported, and its rename is what the user did (created, written).
+            if let Some(new) = ev
+                .name
+                .as_deref()
+                .and_then(|n| n.to_str())
+                .and_then(temp_of)
+            {
+                if m.contains(AddWatchFlags::IN_MOVED_FROM) {
+                    if self.renames.len() >= 1024 {
+                        self.renames.clear();
+                    }
+                    self.renames.insert(ev.cookie, new);
+                }
+                continue;
+            }
+            if m.contains(AddWatchFlags::IN_MOVED_TO) {
+                if let Some(new) = self.renames.remove(&ev.cookie) {
+                    let path = path.display().to_string();
+                    if new {
+                        out.push(FsEvent {
+                            kind: FsEventKind::Create,
+                            path: path.clone(),
+                            timestamp_us: now_us(),
+                        });
+                    }
+                    out.push(FsEvent {
+                        kind: FsEventKind::Write,
+                        path,
+                        timestamp_us: now_us(),
+                    });
+                    continue;
+                }
+            }
             let kind = if m.contains(AddWatchFlags::IN_CREATE) {
                 FsEventKind::Create
             } else if m.intersects(AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE) {
@@ -152,6 +188,7 @@ pub fn watch(query: Option<&str>) -> HandlerResult {
     let mut w = Watcher {
         dirs: HashMap::new(),
         recursive: q.recursive.unwrap_or(false),
+        renames: HashMap::new(),
     };
     w.add(&ino, &path)
         .map_err(|e| ApiError::io(&shown, &std::io::Error::from(e)))?;
@@ -190,4 +227,74 @@ pub fn watch(query: Option<&str>) -> HandlerResult {
         }
     });
     Ok(streamed(NDJSON, rx, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(w: &mut Watcher, ino: &Inotify) -> Vec<(FsEventKind, String)> {
+        let mut got = Vec::new();
+        for _ in 0..50 {
+            match ino.read_events() {
+                Ok(evs) => got.extend(w.translate(ino, evs)),
+                Err(nix::errno::Errno::EAGAIN) => {
+                    if !got.is_empty() {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        got.into_iter()
+            .map(|e| {
+                let name = Path::new(&e.path).file_name().unwrap();
+                (e.kind, name.to_string_lossy().into_owned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_file_api_write_is_a_create_and_a_write_of_the_file_never_its_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let ino = Inotify::init(InitFlags::IN_NONBLOCK).unwrap();
+        let mut w = Watcher {
+            dirs: HashMap::new(),
+            recursive: false,
+            renames: HashMap::new(),
+        };
+        w.add(&ino, dir.path()).unwrap();
+        // What write_file does: a temporary beside, filled, chmod, renamed over the destination.
+        let write = |new: bool| {
+            let tmp = dir
+                .path()
+                .join(super::super::fsops::temp_name_for_test("f.txt", new));
+            std::fs::write(&tmp, b"data").unwrap();
+            std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+                .unwrap();
+            std::fs::rename(&tmp, dir.path().join("f.txt")).unwrap();
+        };
+        write(true);
+        assert_eq!(
+            drain(&mut w, &ino),
+            vec![
+                (FsEventKind::Create, "f.txt".into()),
+                (FsEventKind::Write, "f.txt".into())
+            ]
+        );
+        write(false);
+        assert_eq!(
+            drain(&mut w, &ino),
+            vec![(FsEventKind::Write, "f.txt".into())]
+        );
+        // A rename the user made is still a rename.
+        std::fs::rename(dir.path().join("f.txt"), dir.path().join("g.txt")).unwrap();
+        let got = drain(&mut w, &ino);
+        assert!(
+            got.iter().all(|(k, _)| *k == FsEventKind::Rename),
+            "{got:?}"
+        );
+        assert_eq!(got.len(), 2, "{got:?}");
+    }
 }

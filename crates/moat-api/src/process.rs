@@ -125,6 +125,9 @@ pub struct ProcessInfo {
     pub tag: Option<String>,
     /// argv as executed.
     pub cmd: Vec<String>,
+    /// The variables its start request set (not those it inherited from the sandbox).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
     pub cwd: String,
     pub user: String,
     pub pty: bool,

@@ -18,7 +18,7 @@ pub enum ProcessStart {
     /// The process's events as they happen (`start` first, `exit` last).
     Stream(EventStream<ProcessEvent>),
     /// The request had `background: true`: the process runs; re-attach or use the WebSocket.
-    Background(ProcessInfo),
+    Background(Box<ProcessInfo>),
 }
 
 impl std::fmt::Debug for ProcessStart {
@@ -43,7 +43,7 @@ impl Client {
         if req.background {
             let bytes = resp.bytes().await?;
             let info = serde_json::from_slice(&bytes).map_err(|e| Error::Decode(e.to_string()))?;
-            Ok(ProcessStart::Background(info))
+            Ok(ProcessStart::Background(Box::new(info)))
         } else {
             Ok(ProcessStart::Stream(ndjson_response(resp)))
         }
@@ -72,7 +72,7 @@ impl Client {
         let mut req = req.clone();
         req.background = true;
         match self.start_process(id, &req).await? {
-            ProcessStart::Background(info) => Ok(info),
+            ProcessStart::Background(info) => Ok(*info),
             ProcessStart::Stream(_) => Err(Error::Decode("expected process info".into())),
         }
     }

@@ -272,6 +272,7 @@ impl FakeAgent {
                             req.command.clone().unwrap_or_default(),
                         ]
                     }),
+                    env: req.env.clone(),
                     cwd: req.cwd.clone().unwrap_or_else(|| "/root".into()),
                     user: req.user.clone().unwrap_or_else(|| "root".into()),
                     pty: false,

@@ -255,7 +255,7 @@ async fn create_context(
     let cwd = match req.cwd {
         Some(c) => Some(c),
         None => e
-            .user_of(id, agent, &http::HeaderMap::new())
+            .user_of(id, agent, &http::HeaderMap::new(), None)
             .await
             .ok()
             .map(|u| u.home),

@@ -29,6 +29,7 @@ pub struct ConnectError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Code {
     Canceled,
+    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     AlreadyExists,
@@ -44,6 +45,7 @@ impl Code {
     pub fn as_str(self) -> &'static str {
         match self {
             Code::Canceled => "canceled",
+            Code::DeadlineExceeded => "deadline_exceeded",
             Code::InvalidArgument => "invalid_argument",
             Code::NotFound => "not_found",
             Code::AlreadyExists => "already_exists",
@@ -62,6 +64,7 @@ impl Code {
         match self {
             Code::Canceled => S::from_u16(499).unwrap_or(S::BAD_REQUEST),
             Code::Internal => S::INTERNAL_SERVER_ERROR,
+            Code::DeadlineExceeded => S::GATEWAY_TIMEOUT,
             Code::InvalidArgument | Code::FailedPrecondition => S::BAD_REQUEST,
             Code::NotFound => S::NOT_FOUND,
             Code::AlreadyExists => S::CONFLICT,

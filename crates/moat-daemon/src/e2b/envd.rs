@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{FromRequest, Request};
+use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use http::StatusCode;
@@ -94,7 +94,13 @@ pub(super) async fn handle(e: &Arc<E2b>, id: &str, req: Request) -> Response {
             )
         }
     };
-    let user = match e.user_of(id, &agent, req.headers()).await {
+    let query_user = (path == "/files")
+        .then(|| files_query(req.uri().query()).username)
+        .flatten();
+    let user = match e
+        .user_of(id, &agent, req.headers(), query_user.as_deref())
+        .await
+    {
         Ok(u) => u,
         Err(msg) => {
             return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
@@ -323,12 +329,15 @@ async fn upload(agent: &crate::agent::AgentClient, user: &User, req: Request) ->
         .is_some_and(|v| v.eq_ignore_ascii_case("gzip"));
     let mut written = Vec::new();
     if ct.starts_with("multipart/form-data") {
-        let mut mp = match axum::extract::Multipart::from_request(req, &()).await {
-            Ok(m) => m,
+        // multer itself, not axum's `Multipart`: that one stops a body at axum's 2 MB default, and
+        // an upload may be as large as the sandbox's disk (E2B's SDK sends every write this way).
+        let boundary = match multer::parse_boundary(&ct) {
+            Ok(b) => b,
             Err(err) => {
                 return http_error(StatusCode::BAD_REQUEST, format!("multipart body: {err}"))
             }
         };
+        let mut mp = multer::Multipart::new(req.into_body().into_data_stream(), boundary);
         let single = q.path.clone();
         loop {
             let field = match mp.next_field().await {
@@ -349,7 +358,9 @@ async fn upload(agent: &crate::agent::AgentClient, user: &User, req: Request) ->
                 }
             };
             // The part streams to the agent while it arrives (the field borrows the body, so it is
-            // fed through a channel).
+            // fed through a channel). A body that breaks off or is malformed half-way is the
+            // client's problem (400), never reported as the agent's: the agent drops the partial
+            // file (it writes beside the destination and renames only a complete one).
             let mut field = field;
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(8);
             let feed = async move {
@@ -357,19 +368,23 @@ async fn upload(agent: &crate::agent::AgentClient, user: &User, req: Request) ->
                     match field.chunk().await {
                         Ok(Some(c)) => {
                             if tx.send(Ok(c)).await.is_err() {
-                                return;
+                                return None;
                             }
                         }
-                        Ok(None) => return,
+                        Ok(None) => return None,
                         Err(err) => {
-                            let _ = tx.send(Err(std::io::Error::other(err.to_string()))).await;
-                            return;
+                            let msg = err.to_string();
+                            let _ = tx.send(Err(std::io::Error::other(msg.clone()))).await;
+                            return Some(msg);
                         }
                     }
                 }
             };
             let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-            let (written_one, ()) = tokio::join!(write_one(agent, user, &dest, body), feed);
+            let (written_one, body_err) = tokio::join!(write_one(agent, user, &dest, body), feed);
+            if let Some(err) = body_err {
+                return http_error(StatusCode::BAD_REQUEST, format!("multipart body: {err}"));
+            }
             match written_one {
                 Ok(v) => written.push(v),
                 Err(r) => return r,

@@ -107,10 +107,14 @@ impl E2b {
         id: &str,
         agent: &AgentClient,
         headers: &http::HeaderMap,
+        query_user: Option<&str>,
     ) -> Result<User, String> {
         let ids = self.ids(id, agent).await;
         let passwd = &ids.passwd;
-        let asked = basic_auth_user(headers);
+        // envd's Connect calls name the user in Basic auth; its `/files` in `?username=` (what the
+        // SDK's `files.read/write(..., user=)` sends).
+        let asked = basic_auth_user(headers)
+            .or_else(|| query_user.filter(|u| !u.is_empty()).map(str::to_string));
         let name = match &asked {
             Some(n) => n.clone(),
             None => {

@@ -190,6 +190,16 @@ fn stream_events(
                     ProcessEvent::Stdout(c) => Some(Output::Stdout(crate::agent::chunk_bytes(c))),
                     ProcessEvent::Stderr(c) => Some(Output::Stderr(crate::agent::chunk_bytes(c))),
                     ProcessEvent::Pty(c) => Some(Output::Pty(crate::agent::chunk_bytes(c))),
+                    // envd ends the call of a process killed at its deadline with
+                    // `deadline_exceeded` (the SDKs' TimeoutException), not an exit.
+                    ProcessEvent::Exit(e) if e.timed_out => {
+                        let err = ConnectError::new(
+                            Code::DeadlineExceeded,
+                            "the command's deadline passed and it was killed",
+                        );
+                        let _ = tx.send(connect::end(Some(&err))).await;
+                        return;
+                    }
                     ProcessEvent::Exit(e) => {
                         let _ = tx
                             .send(event(pb::process_event::Event::End(end_event(e))))
@@ -362,7 +372,8 @@ async fn find(agent: &AgentClient, sel: &ProcessSelector) -> ConnectResult<Proce
     list.processes
         .into_iter()
         .find(|p| match sel {
-            ProcessSelector::Pid(pid) => p.pid == *pid,
+            // envd knows only running processes: one that exited is not found.
+            ProcessSelector::Pid(pid) => p.running && p.pid == *pid,
             ProcessSelector::Tag(tag) => p.running && p.tag.as_ref() == Some(tag),
         })
         .ok_or_else(|| {
@@ -388,7 +399,7 @@ async fn list(agent: &AgentClient) -> ConnectResult<Response> {
                 config: Some(pb::ProcessConfig {
                     cmd: argv.next().unwrap_or_default(),
                     args: argv.collect(),
-                    envs: Default::default(),
+                    envs: p.env.into_iter().collect(),
                     cwd: Some(p.cwd),
                 }),
                 pid: p.pid,

@@ -334,13 +334,15 @@ class ProcessInfo:
     running: bool
     exit: Optional[ExitStatus]
     started_at_us: int
+    #: The variables its start set (not those inherited from the sandbox).
+    env: Dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "ProcessInfo":
         return cls(pid=d["pid"], tag=d.get("tag"), cmd=d.get("cmd") or [], cwd=d.get("cwd", ""),
                    user=d.get("user", ""), pty=bool(d.get("pty")), stdin_open=bool(d.get("stdin_open")),
                    running=bool(d.get("running")), exit=ExitStatus.from_json(d["exit"]) if d.get("exit") else None,
-                   started_at_us=d.get("started_at_us", 0))
+                   started_at_us=d.get("started_at_us", 0), env=dict(d.get("env") or {}))
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""What failed when E2B's official Python SDK was first tried against moat as a new user would (issue
+27): large uploads, watch events of a written file, `user=` on files, command timeouts, the process
+list's envs and re-attaching to an exited process. Each test is E2B's documented usage, unmodified."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+import httpx
+import pytest
+from e2b import AsyncSandbox, FilesystemEventType, NotFoundException, Sandbox, TimeoutException
+from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _remote_sha(sbx, path: str) -> str:
+    return sbx.commands.run(f"sha256sum {path}", user="root").stdout.split()[0]
+
+
+def test_large_writes_of_every_kind(sbx):
+    # bytes, then str, of several MiB each (multipart, as the SDK sends them).
+    blob = os.urandom(5 << 20)
+    sbx.files.write("/home/user/big.bin", blob)
+    assert _remote_sha(sbx, "/home/user/big.bin") == _sha(blob)
+    text = "moat " * (600 << 10)  # 3 MiB of text
+    sbx.files.write("/home/user/big.txt", text)
+    assert sbx.files.read("/home/user/big.txt") == text
+    assert sbx.files.read("/home/user/big.bin", format="bytes") == blob
+    # Many files of a few hundred KiB in one multipart request.
+    entries = [WriteEntry(path=f"/home/user/many/f{i}.bin", data=os.urandom(300 << 10)) for i in range(24)]
+    infos = sbx.files.write_files(entries)
+    assert len(infos) == len(entries)
+    listed = sbx.commands.run("cd /home/user/many && sha256sum f*.bin").stdout
+    got = {line.split()[1]: line.split()[0] for line in listed.splitlines()}
+    assert got == {f"f{i}.bin": _sha(e["data"]) for i, e in enumerate(entries)}
+
+
+def test_upload_url_takes_a_large_file(sbx):
+    blob = os.urandom(5 * 1000 * 1000)
+    url = sbx.upload_url("/home/user/upload.bin")
+    r = httpx.post(url, files={"file": ("upload.bin", blob)}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _remote_sha(sbx, "/home/user/upload.bin") == _sha(blob)
+    # A body that is not what it says is a 400 naming the problem, never "agent unreachable".
+    bad = httpx.post(url, content=b"--nope\r\nnot a multipart body",
+                     headers={"content-type": "multipart/form-data; boundary=nope"}, timeout=30)
+    assert bad.status_code == 400, bad.text
+    assert "unreachable" not in bad.text
+
+
+def test_watch_dir_sees_the_written_file_not_a_temp_file(sbx):
+    sbx.files.make_dir("/home/user/watched")
+    handle = sbx.files.watch_dir("/home/user/watched")
+    try:
+        sbx.files.write("/home/user/watched/f.txt", "one")
+        sbx.files.write("/home/user/watched/f.txt", "two")
+        deadline = time.time() + 10
+        events = []
+        while time.time() < deadline:
+            events += handle.get_new_events()
+            kinds = {(e.name, e.type) for e in events}
+            if ("f.txt", FilesystemEventType.CREATE) in kinds and ("f.txt", FilesystemEventType.WRITE) in kinds:
+                break
+            time.sleep(0.2)
+        names = {e.name for e in events}
+        assert names == {"f.txt"}, events
+        assert ("f.txt", FilesystemEventType.CREATE) in {(e.name, e.type) for e in events}, events
+        assert ("f.txt", FilesystemEventType.WRITE) in {(e.name, e.type) for e in events}, events
+        assert FilesystemEventType.RENAME not in {e.type for e in events}, events
+    finally:
+        handle.stop()
+
+
+def test_files_as_another_user(sbx):
+    sbx.files.write("/home/user/mine.txt", "user's")
+    sbx.files.write("/home/user/roots.txt", "root's", user="root")
+    owners = sbx.commands.run("stat -c %U /home/user/mine.txt /home/user/roots.txt").stdout.split()
+    assert owners == ["user", "root"]
+    # A relative path is the named user's home's (envd resolves it for that user).
+    sbx.commands.run("echo in root home > /root/here.txt", user="root")
+    assert sbx.files.read("here.txt", user="root") == "in root home\n"
+    # A signed upload URL for another user writes as that user.
+    url = sbx.upload_url("/home/user/signed-root.txt", user="root")
+    assert httpx.post(url, files={"file": ("x", b"signed")}, timeout=30).status_code == 200
+    assert sbx.commands.run("stat -c %U /home/user/signed-root.txt").stdout == "root\n"
+
+
+def test_sync_command_timeout_raises_and_kills(sbx):
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30; echo late", timeout=2)
+    time.sleep(0.5)
+    assert "sleep 30" not in " ".join(p.cmd + " " + " ".join(p.args) for p in sbx.commands.list())
+    assert "sleep 30" not in sbx.commands.run("ps -eo args", user="root").stdout
+
+
+def test_async_command_timeout_raises_and_kills(daemon):
+    async def main():
+        sbx = await AsyncSandbox.create(timeout=120)
+        try:
+            with pytest.raises(TimeoutException):
+                await sbx.commands.run("sleep 30; echo late", timeout=2)
+            await asyncio.sleep(0.5)
+            ps = await sbx.commands.run("ps -eo args", user="root")
+            assert "sleep 30" not in ps.stdout
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
+
+
+def test_list_shows_envs_and_connect_to_an_exited_process_is_not_found(sbx):
+    h = sbx.commands.run("sleep 60", background=True, envs={"TASK": "listing"})
+    try:
+        listed = {p.pid: p for p in sbx.commands.list()}
+        assert listed[h.pid].envs.get("TASK") == "listing", listed[h.pid]
+    finally:
+        sbx.commands.kill(h.pid)
+    done = sbx.commands.run("true", background=True)
+    done.wait()
+    with pytest.raises(NotFoundException):
+        sbx.commands.connect(done.pid)
