@@ -73,6 +73,11 @@ echo "== e2b"
 python3 -m venv target/e2b-venv
 target/e2b-venv/bin/pip install --quiet "e2b==2.63.0" "e2b-code-interpreter==2.11.5" pytest
 MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/e2b-venv/bin/pytest -q tests/e2b
+# An older release that behaves differently: 2.25.0 refuses, before sending it, any API key that is
+# not `e2b_` + hex (moat writes that form of its key to <data_dir>/e2b-api-key).
+python3 -m venv target/e2b-old-venv
+target/e2b-old-venv/bin/pip install --quiet "e2b==2.25.0" pytest
+MOAT_BIN="$PWD/target/debug/moat" MOAT_AGENT="$MOAT_AGENT" target/e2b-old-venv/bin/pytest -q tests/e2b_compat
 
 echo "== mcp"
 # moat's MCP server over stdio (`moat mcp`) and streamable HTTP (`/mcp`), driven by the official MCP

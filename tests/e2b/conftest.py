@@ -34,7 +34,10 @@ def daemon():
     d = _sdk.Daemon(extra_args=["--e2b-listen", f"127.0.0.1:{port}"])
     d.e2b_url = f"http://127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL")}
-    os.environ["E2B_API_KEY"] = d.api_key
+    # The key as docs/e2b.md gives it: the E2B form moat writes beside its own key.
+    with open(os.path.join(d.data_dir, "e2b-api-key")) as f:
+        d.e2b_api_key = f.read().strip()
+    os.environ["E2B_API_KEY"] = d.e2b_api_key
     os.environ["E2B_API_URL"] = d.e2b_url
     os.environ["E2B_SANDBOX_URL"] = d.e2b_url
     try:

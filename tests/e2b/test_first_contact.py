@@ -125,3 +125,14 @@ def test_list_shows_envs_and_connect_to_an_exited_process_is_not_found(sbx):
     done.wait()
     with pytest.raises(NotFoundException):
         sbx.commands.connect(done.pid)
+
+
+def test_every_form_of_the_key_is_the_same_credential(daemon):
+    # E2B's form (what E2B_API_KEY holds in this suite), moat's own key, and moat's key prefixed.
+    assert daemon.e2b_api_key.startswith("e2b_") and all(c in "0123456789abcdef" for c in daemon.e2b_api_key[4:])
+    for key in (daemon.e2b_api_key, daemon.api_key, "e2b_" + daemon.api_key):
+        r = httpx.get(daemon.e2b_url + "/v2/sandboxes", headers={"X-API-KEY": key}, timeout=10)
+        assert r.status_code == 200, (key[:4], r.text)
+    for wrong in ("e2b_" + "0" * 40, daemon.e2b_api_key[:-1] + "0" if daemon.e2b_api_key[-1] != "0" else daemon.e2b_api_key[:-1] + "1", ""):
+        r = httpx.get(daemon.e2b_url + "/v2/sandboxes", headers={"X-API-KEY": wrong}, timeout=10)
+        assert r.status_code == 401, r.text

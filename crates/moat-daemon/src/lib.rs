@@ -58,6 +58,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     api::extract::MAX_JSON_BODY.store(args.max_json_body, std::sync::atomic::Ordering::Relaxed);
 
     let api_key = load_or_create_api_key(&args.api_key_path())?;
+    write_e2b_api_key(&args.data_dir, &api_key)?;
     let db = Arc::new(db::Db::open(&args.data_dir.join("moat.db"))?);
     let templates = Arc::new(template::store::TemplateStore::new(&args.data_dir)?);
     templates.recover(&db)?;
@@ -318,6 +319,25 @@ pub fn load_or_create_api_key(path: &Path) -> Result<String> {
     let mut b = [0u8; 24];
     rand::rngs::OsRng.fill_bytes(&mut b);
     let key = format!("moat_{}", hex::encode(b));
+    write_private(path, &key)?;
+    tracing::info!(path = %path.display(), "generated a new API key");
+    Ok(key)
+}
+
+/// Writes `<data_dir>/e2b-api-key`: the API key in the form E2B's SDKs accept (`e2b_` + hex; some
+/// releases refuse any other before sending it), for the E2B-compatible API. Rewritten at each
+/// start, so it follows a changed API key.
+pub fn write_e2b_api_key(data_dir: &Path, api_key: &str) -> Result<()> {
+    let path = data_dir.join("e2b-api-key");
+    let key = e2b::e2b_api_key(api_key);
+    if std::fs::read_to_string(&path).is_ok_and(|k| k.trim() == key) {
+        return Ok(());
+    }
+    write_private(&path, &key)
+}
+
+/// Writes `text` and a newline to `path`, readable by its owner only, atomically.
+fn write_private(path: &Path, text: &str) -> Result<()> {
     let tmp = path.with_extension("tmp");
     {
         use std::io::Write;
@@ -329,12 +349,11 @@ pub fn load_or_create_api_key(path: &Path) -> Result<String> {
             .mode(0o600)
             .open(&tmp)
             .with_context(|| format!("create {}", tmp.display()))?;
-        writeln!(f, "{key}")?;
+        writeln!(f, "{text}")?;
         f.sync_all()?;
     }
     std::fs::rename(&tmp, path)?;
-    tracing::info!(path = %path.display(), "generated a new API key");
-    Ok(key)
+    Ok(())
 }
 
 /// Finds the static agent binary and copies it, content-addressed, into `<data_dir>/bin`, so what
@@ -689,6 +708,20 @@ mod tests {
         let b = load_or_create_api_key(&p).unwrap();
         assert_eq!(a, b);
         assert!(a.starts_with("moat_") && a.len() == 53);
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+    }
+
+    #[test]
+    fn the_e2b_form_of_the_key_is_written_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = load_or_create_api_key(&dir.path().join("api-key")).unwrap();
+        write_e2b_api_key(dir.path(), &key).unwrap();
+        let p = dir.path().join("e2b-api-key");
+        let e2b = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(e2b.trim(), format!("e2b_{}", &key["moat_".len()..]));
         assert_eq!(
             std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o600

@@ -34,7 +34,8 @@ fn from_api(e: impl Into<ApiError>) -> Response {
     error(status, message)
 }
 
-/// The API key E2B's SDKs send (`X-API-KEY`): moat's key, as it is or with E2B's `e2b_` prefix.
+/// The API key E2B's SDKs send (`X-API-KEY`): moat's key, as it is or with E2B's `e2b_` prefix, or
+/// its E2B form (`<data_dir>/e2b-api-key`, [`super::e2b_api_key`]).
 fn key_ok(e: &E2b, headers: &http::HeaderMap) -> bool {
     let given = headers
         .get("x-api-key")
@@ -47,12 +48,16 @@ fn key_ok(e: &E2b, headers: &http::HeaderMap) -> bool {
         })
         .map(str::trim);
     let key = e.app.api_key.as_bytes();
+    let e2b_form = super::e2b_api_key(&e.app.api_key);
     given.is_some_and(|g| {
-        let g = g
+        let plain = g
             .strip_prefix("e2b_")
             .filter(|r| r.len() == key.len())
             .unwrap_or(g);
-        crate::api::constant_time_eq(g.as_bytes(), key)
+        // Both compared, always: the time taken says nothing about which form was close.
+        let a = crate::api::constant_time_eq(plain.as_bytes(), key);
+        let b = crate::api::constant_time_eq(g.as_bytes(), e2b_form.as_bytes());
+        a | b
     })
 }
 
@@ -348,6 +353,16 @@ async fn create(
     let network = match (wants_network, network_on) {
         (true, true) => Some(net.policy(req.allow_internet_access)),
         // A daemon without sandbox networking: "no internet" is what every sandbox has already.
+        // `allow_internet_access: true` and nothing else is E2B's default, which older SDK releases
+        // send on every create (2.25.0 does): the daemon's default, like an absent field.
+        (true, false)
+            if req.allow_internet_access == Some(true)
+                && net.allow_out.is_none()
+                && net.deny_out.is_none()
+                && net.allow_internet_access.is_none() =>
+        {
+            None
+        }
         (true, false)
             if !net.policy(req.allow_internet_access).allow_internet
                 && net.allow_out.as_ref().is_none_or(|a| a.is_empty()) =>

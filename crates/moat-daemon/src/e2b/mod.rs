@@ -137,6 +137,24 @@ impl E2b {
     }
 }
 
+/// The API key as E2B's SDKs want it: `e2b_` followed by hex digits (releases from 2.25.0 to
+/// before the check was relaxed refuse any other form before sending it). moat's generated keys
+/// are `moat_` + hex: the same hex after `e2b_`. A key of another form (set by hand) gives
+/// `e2b_` + the first 40 hex digits of its SHA-256: a credential for this API derived from it,
+/// which does not reveal it.
+pub fn e2b_api_key(api_key: &str) -> String {
+    match api_key.strip_prefix("moat_") {
+        Some(h) if !h.is_empty() && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            format!("e2b_{}", h.to_ascii_lowercase())
+        }
+        _ => {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(format!("moat e2b api key:{api_key}").as_bytes());
+            format!("e2b_{}", &hex::encode(d)[..40])
+        }
+    }
+}
+
 /// A sandbox's /etc/passwd and /etc/group.
 #[derive(Debug, Default)]
 pub struct Ids {
@@ -291,6 +309,21 @@ fn stdin_stream(parts: &http::request::Parts) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_e2b_form_of_a_key_is_e2b_and_hex() {
+        assert_eq!(e2b_api_key("moat_00ff"), "e2b_00ff");
+        assert_eq!(e2b_api_key("moat_00FF"), "e2b_00ff");
+        for other in ["a hand-made key", "moat_not-hex", "moat_"] {
+            let k = e2b_api_key(other);
+            assert!(k.starts_with("e2b_") && k.len() == 44, "{k}");
+            assert!(k[4..]
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+            assert!(!k.contains(other));
+        }
+        assert_ne!(e2b_api_key("one"), e2b_api_key("two"));
+    }
 
     #[test]
     fn users_and_paths() {
