@@ -136,3 +136,20 @@ def test_every_form_of_the_key_is_the_same_credential(daemon):
     for wrong in ("e2b_" + "0" * 40, daemon.e2b_api_key[:-1] + "0" if daemon.e2b_api_key[-1] != "0" else daemon.e2b_api_key[:-1] + "1", ""):
         r = httpx.get(daemon.e2b_url + "/v2/sandboxes", headers={"X-API-KEY": wrong}, timeout=10)
         assert r.status_code == 401, r.text
+
+
+def test_a_cell_the_client_gave_up_on_is_interrupted(code_interpreter):
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sbx = CodeSandbox.create(template="code-interpreter", timeout=300)
+    try:
+        assert sbx.run_code("kept = 7").error is None
+        with pytest.raises(TimeoutException):
+            sbx.run_code("import time\nwhile True: time.sleep(0.1)", timeout=3)
+        # The next cell of that context runs at once (E2B interrupts the kernel when the client
+        # gives up), and the state before the interrupted cell is still there.
+        started = time.monotonic()
+        assert sbx.run_code("kept * 6", timeout=20).text == "42"
+        assert time.monotonic() - started < 15
+    finally:
+        sbx.kill()

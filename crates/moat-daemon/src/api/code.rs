@@ -29,7 +29,7 @@ pub async fn run(
     let ctx = in_sandbox(&st, &id, code::prepare(&agent, &id, &req).await).await?;
     let (tx, rx) = mpsc::channel::<CodeEvent>(256);
     // The cell runs to its end (or timeout) even if the client goes away.
-    tokio::spawn(code::run(agent, id, ctx, req, tx));
+    tokio::spawn(code::run(agent, id, ctx, req, tx, code::Abandoned::RunsOn));
     super::ndjson_response(rx)
 }
 

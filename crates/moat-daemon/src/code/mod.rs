@@ -310,6 +310,17 @@ pub async fn prepare(
     start(agent, &id, lang, None).await
 }
 
+/// What becomes of a cell whose client went away (nobody reads its events any more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// It runs on to its end or its timeout (moat's API: a client may come back for the result's
+    /// side effects).
+    RunsOn,
+    /// It is interrupted like a cell past its timeout (E2B's: the client's timeout is the cell's,
+    /// and a cell left running would hold every later cell of its context).
+    Interrupted,
+}
+
 /// Runs a cell, sending its events to `tx`; `end` is always the last one sent.
 pub async fn run(
     agent: Arc<AgentClient>,
@@ -317,12 +328,13 @@ pub async fn run(
     ctx: CodeContext,
     req: RunCodeRequest,
     tx: mpsc::Sender<CodeEvent>,
+    abandoned: Abandoned,
 ) {
     let started = Instant::now();
     let lock = lock_for(&sandbox, &ctx.id);
     let mut count = lock.lock().await;
     let timeout = Duration::from_secs_f64(req.timeout.unwrap_or(DEFAULT_TIMEOUT));
-    let exec_count = match execute(&agent, &ctx, &req, timeout, *count, &tx).await {
+    let exec_count = match execute(&agent, &ctx, &req, timeout, *count, &tx, abandoned).await {
         Ok(n) => n,
         Err(e) => {
             let _ = tx
@@ -554,6 +566,7 @@ async fn execute(
     timeout: Duration,
     count_before: u64,
     tx: &mpsc::Sender<CodeEvent>,
+    abandoned: Abandoned,
 ) -> Result<u64, Error> {
     let exec_id = format!("{:016x}", rand::random::<u64>());
     // Attach first, so no output of this cell can come before we listen.
@@ -617,6 +630,12 @@ async fn execute(
     loop {
         let frame = tokio::select! {
             f = body.frame() => f,
+            _ = tx.closed(), if abandoned == Abandoned::Interrupted && !interrupted => {
+                interrupted = true;
+                signal(agent, &ctx.id, "SIGINT").await?;
+                deadline = tokio::time::Instant::now() + INTERRUPT_GRACE;
+                continue;
+            }
             _ = tokio::time::sleep_until(deadline) => {
                 if !interrupted {
                     interrupted = true;

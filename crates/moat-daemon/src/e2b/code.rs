@@ -178,10 +178,24 @@ async fn execute(e: &E2b, id: &str, agent: Arc<crate::agent::AgentClient>, body:
     };
     e.app.audit.watch(id);
     let (tx, mut rx) = mpsc::channel::<CodeEvent>(256);
-    tokio::spawn(code::run(agent, id.to_string(), ctx, run, tx));
+    // E2B's timeout for a cell is the client's: when it stops reading, the cell is interrupted
+    // (the forwarder below lets go of the events as soon as the client is gone, output or not).
+    tokio::spawn(code::run(
+        agent,
+        id.to_string(),
+        ctx,
+        run,
+        tx,
+        code::Abandoned::Interrupted,
+    ));
     let (out_tx, out_rx) = mpsc::channel::<Bytes>(256);
     tokio::spawn(async move {
-        while let Some(ev) = rx.recv().await {
+        loop {
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = out_tx.closed() => return,
+            };
+            let Some(ev) = ev else { return };
             for line in lines(&ev) {
                 let mut b = serde_json::to_vec(&line).unwrap_or_default();
                 b.push(b'\n');
