@@ -153,3 +153,47 @@ def test_a_cell_the_client_gave_up_on_is_interrupted(code_interpreter):
         assert time.monotonic() - started < 15
     finally:
         sbx.kill()
+
+
+def _e2b_port(daemon) -> int:
+    return int(daemon.e2b_url.rsplit(":", 1)[1])
+
+
+def test_get_host_names_this_daemon_and_its_host_form_is_served(daemon):
+    # No name is resolved here: requests go to the listener's address with the Host get_host gave.
+    sbx = Sandbox.create(timeout=120)
+    closed = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        host = sbx.get_host(8000)
+        assert host == f"8000-{sbx.sandbox_id}.localhost:{_e2b_port(daemon)}"
+        assert Sandbox.get_info(sbx.sandbox_id).sandbox_domain == f"localhost:{_e2b_port(daemon)}"
+        for s in (sbx, closed):
+            s.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/index.html && "
+                           "cd /tmp/www && exec python3 -m http.server 8000", background=True)
+        url = daemon.e2b_url + "/index.html"
+
+        def get(s, **headers):
+            deadline = time.time() + 20
+            while True:
+                r = httpx.get(url, headers={"Host": s.get_host(8000), **headers}, timeout=10)
+                if r.status_code != 503 or time.time() > deadline:
+                    return r
+                time.sleep(0.2)
+
+        # Public by default, as E2B's ports are.
+        r = get(sbx)
+        assert r.status_code == 200 and r.text == "served\n", r.text
+        # allow_public_traffic=False: the traffic token is needed.
+        r = get(closed)
+        assert r.status_code == 401, r.text
+        r = get(closed, **{"e2b-traffic-access-token": closed.traffic_access_token})
+        assert r.status_code == 200 and r.text == "served\n", r.text
+        # envd through its own host form still wants the envd token.
+        envd = {"Host": sbx.get_host(49983)}
+        assert httpx.get(daemon.e2b_url + "/envs", headers=envd, timeout=10).status_code == 401
+        # A host of another domain is not a sandbox's: the control plane answers (401, no key).
+        other = httpx.get(url, headers={"Host": f"8000-{sbx.sandbox_id}.example.com"}, timeout=10)
+        assert other.status_code == 401, other.text
+    finally:
+        sbx.kill()
+        closed.kill()

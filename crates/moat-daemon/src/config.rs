@@ -160,6 +160,13 @@ pub struct ServeArgs {
         value_name = "ADDR|off"
     )]
     pub e2b_listen: String,
+    /// The domain E2B's SDKs build sandbox hosts from (`sbx.get_host(port)` gives
+    /// `{port}-{id}.{domain}`), answered as `domain` by the E2B API, whose listener serves those
+    /// hosts. Default `localhost:PORT` (the E2B listener's port): browsers and curl take any
+    /// `*.localhost` name to this machine. A wildcard DNS name (`*.sbx.example.com`) for remote
+    /// clients (docs/e2b.md).
+    #[arg(long, env = "MOAT_E2B_DOMAIN", value_name = "DOMAIN")]
+    pub e2b_domain: Option<String>,
     /// Connections the API listeners (REST, its unix socket and E2B, together) hold open at once;
     /// kept below half the daemon's open-file limit. More are answered 503 and closed.
     #[arg(long, env = "MOAT_MAX_CONNECTIONS", default_value_t = 4096,
@@ -249,6 +256,14 @@ impl ServeArgs {
             a => a.parse().map(Some).map_err(|e| {
                 anyhow::anyhow!("--e2b-listen {a}: {e} (an address like 127.0.0.1:6629, or off)")
             }),
+        }
+    }
+
+    /// The domain of E2B sandbox hosts (see `e2b_domain`) for a listener on `addr`.
+    pub fn e2b_domain_for(&self, addr: SocketAddr) -> String {
+        match self.e2b_domain.as_deref().map(str::trim) {
+            Some(d) if !d.is_empty() => d.trim_start_matches('.').to_ascii_lowercase(),
+            _ => format!("localhost:{}", addr.port()),
         }
     }
 

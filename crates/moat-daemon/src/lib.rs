@@ -153,7 +153,7 @@ pub async fn serve(mut args: ServeArgs) -> Result<()> {
     // One count of connections for every API listener: their caps hold together.
     let gate = api::serve::Gate::new(args.listen_limits().within_file_limit());
     if let Some(addr) = args.e2b_addr()? {
-        let e2b = e2b::E2b::new(state.clone());
+        let e2b = e2b::E2b::new(state.clone(), args.e2b_domain_for(addr));
         let gate = gate.clone();
         tokio::spawn(async move {
             if let Err(err) = e2b::serve(e2b, addr, gate, shutdown_signal()).await {

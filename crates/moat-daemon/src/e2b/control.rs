@@ -290,7 +290,7 @@ fn resolve_template(e: &E2b, t: &str) -> (Option<String>, Option<String>) {
 }
 
 /// E2B's `Sandbox` (create, connect, fork answers).
-fn sandbox_json(s: &Sandbox, template_id: &str) -> Value {
+fn sandbox_json(e: &E2b, s: &Sandbox, template_id: &str) -> Value {
     json!({
         "templateID": template_id,
         "sandboxID": s.id,
@@ -298,7 +298,7 @@ fn sandbox_json(s: &Sandbox, template_id: &str) -> Value {
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": s.access_token,
         "trafficAccessToken": s.access_token,
-        "domain": null,
+        "domain": e.domain,
     })
 }
 
@@ -391,7 +391,9 @@ async fn create(
             }
         }),
         network,
-        allow_public_traffic: net.allow_public_traffic,
+        // E2B's ports are public unless `allowPublicTraffic: false` (then they need the
+        // sandbox's traffic token), and so are those of a sandbox made through this API.
+        allow_public_traffic: Some(net.allow_public_traffic.unwrap_or(true)),
         ..Default::default()
     };
     let made = match key {
@@ -418,7 +420,7 @@ async fn create(
     Ok((
         (
             StatusCode::CREATED,
-            axum::Json(sandbox_json(&s, &template_id)),
+            axum::Json(sandbox_json(e, &s, &template_id)),
         )
             .into_response(),
         id,
@@ -445,7 +447,7 @@ fn listed(e: &E2b, s: &Sandbox, detail: bool) -> Value {
     });
     if detail {
         v["envdAccessToken"] = json!(s.access_token);
-        v["domain"] = Value::Null;
+        v["domain"] = json!(e.domain);
         v["allowInternetAccess"] = json!(s.network.as_ref().map(|n| n.policy.allow_internet));
         v["lifecycle"] = json!({
             "autoResume": false,
@@ -720,7 +722,7 @@ async fn connect(e: &E2b, id: &str, body: Body, resume_only: bool) -> Response {
         StatusCode::OK
     };
     match e.app.sandboxes.get(id) {
-        Ok(s) => (status, axum::Json(sandbox_json(&s, &template_id_of(&s)))).into_response(),
+        Ok(s) => (status, axum::Json(sandbox_json(e, &s, &template_id_of(&s)))).into_response(),
         Err(err) => from_api(err),
     }
 }
@@ -921,7 +923,7 @@ async fn fork(e: &E2b, id: &str, body: Body) -> Response {
             let t = template_id_of(&source);
             let v: Vec<Value> = list
                 .iter()
-                .map(|s| json!({"sandbox": sandbox_json(s, &t)}))
+                .map(|s| json!({"sandbox": sandbox_json(e, s, &t)}))
                 .collect();
             (StatusCode::CREATED, axum::Json(v)).into_response()
         }

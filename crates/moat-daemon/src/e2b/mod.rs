@@ -46,15 +46,26 @@ pub struct E2b {
     /// owner names of files.
     ids: Mutex<HashMap<String, Arc<Ids>>>,
     watchers: filesystem::Watchers,
+    /// Sandbox hosts are `{port}-{id}.{domain}` (E2B's `get_host`); lower case, may carry a port.
+    pub domain: String,
 }
 
 impl E2b {
-    pub fn new(app: Arc<AppState>) -> Arc<E2b> {
+    pub fn new(app: Arc<AppState>, domain: String) -> Arc<E2b> {
         Arc::new(E2b {
             app,
             ids: Mutex::new(HashMap::new()),
             watchers: filesystem::Watchers::default(),
+            domain,
         })
+    }
+
+    /// The sandbox port a `Host` of the form `{port}-{id}.{domain}` names (E2B's sandbox hosts).
+    fn host_target(&self, headers: &http::HeaderMap) -> Option<(String, u16)> {
+        host_target(
+            &self.domain,
+            headers.get(http::header::HOST)?.to_str().ok()?,
+        )
     }
 
     /// Records an E2B request in moat's audit log (actor, `e2b METHOD path`, sandbox, status).
@@ -153,6 +164,15 @@ pub fn e2b_api_key(api_key: &str) -> String {
             format!("e2b_{}", &hex::encode(d)[..40])
         }
     }
+}
+
+/// `{port}-{id}.{domain}` → (id, port); None for any other host.
+fn host_target(domain: &str, host: &str) -> Option<(String, u16)> {
+    let host = host.trim().to_ascii_lowercase();
+    let first = host.strip_suffix(domain)?.strip_suffix('.')?;
+    let (port, id) = first.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    (port > 0 && crate::ids::valid_sandbox_id(id)).then(|| (id.to_string(), port))
 }
 
 /// A sandbox's /etc/passwd and /etc/group.
@@ -258,7 +278,9 @@ async fn dispatch(State(e): State<Arc<E2b>>, req: Request) -> Response {
         .get("e2b-sandbox-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    match sandbox {
+    // E2B's two ways of naming a sandbox's port: its headers (with E2B_SANDBOX_URL), or the host
+    // `sbx.get_host(port)` gave (`{port}-{id}.{domain}`).
+    let target = match sandbox {
         Some(id) => {
             let port = req
                 .headers()
@@ -266,12 +288,16 @@ async fn dispatch(State(e): State<Arc<E2b>>, req: Request) -> Response {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u16>().ok())
                 .unwrap_or(ENVD_PORT);
-            match port {
-                ENVD_PORT => envd::handle(&e, &id, req).await,
-                CODE_PORT => code::handle(&e, &id, req).await,
-                p => envd::other_port(&e, &id, p, req).await,
-            }
+            Some((id, port))
         }
+        None => e.host_target(req.headers()),
+    };
+    match target {
+        Some((id, port)) => match port {
+            ENVD_PORT => envd::handle(&e, &id, req).await,
+            CODE_PORT => code::handle(&e, &id, req).await,
+            p => envd::other_port(&e, &id, p, req).await,
+        },
         None if req.uri().path() == "/files" && envd::is_signed(req.uri().query()) => {
             envd::signed_files(&e, req).await
         }
@@ -309,6 +335,33 @@ fn stdin_stream(parts: &http::request::Parts) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sandbox_hosts_of_the_domain_only() {
+        let id = "sbx_abcdefghijklmnopqrstuvwx23";
+        assert!(crate::ids::valid_sandbox_id(id));
+        let d = "localhost:6629";
+        assert_eq!(
+            host_target(d, &format!("8000-{id}.localhost:6629")),
+            Some((id.into(), 8000))
+        );
+        // Host names are case-insensitive.
+        assert_eq!(
+            host_target(d, &format!("8000-{}.LOCALHOST:6629", id.to_uppercase())),
+            Some((id.into(), 8000))
+        );
+        for other in [
+            format!("8000-{id}.localhost:6630"),
+            format!("8000-{id}.example.com"),
+            format!("8000-{id}localhost:6629"),
+            format!("0-{id}.localhost:6629"),
+            format!("x-{id}.localhost:6629"),
+            "8000-nope.localhost:6629".to_string(),
+            "localhost:6629".to_string(),
+        ] {
+            assert_eq!(host_target(d, &other), None, "{other}");
+        }
+    }
 
     #[test]
     fn the_e2b_form_of_a_key_is_e2b_and_hex() {
