@@ -197,3 +197,38 @@ def test_get_host_names_this_daemon_and_its_host_form_is_served(daemon):
     finally:
         sbx.kill()
         closed.kill()
+
+
+def test_auto_resume_wakes_a_paused_sandbox_on_a_request_or_port_traffic(daemon):
+    sbx = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    plain = Sandbox.create(timeout=120)
+    try:
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.lifecycle["auto_resume"] is True and info.lifecycle["on_timeout"] == "pause"
+        assert Sandbox.get_info(plain.sandbox_id).lifecycle["auto_resume"] is False
+        sbx.commands.run("echo kept > /tmp/state; cd /tmp && exec python3 -m http.server 8000",
+                         background=True)
+        deadline = time.time() + 20
+        url = daemon.e2b_url + "/state"
+        while httpx.get(url, headers={"Host": sbx.get_host(8000)}, timeout=10).status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        # A command wakes it (the process started before the pause still runs).
+        sbx.pause()
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        assert sbx.commands.run("cat /tmp/state").stdout == "kept\n"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        # Port traffic wakes it too, and reaches the server that was frozen with it.
+        sbx.pause()
+        r = httpx.get(url, headers={"Host": sbx.get_host(8000)}, timeout=30)
+        assert r.status_code == 200 and r.text == "kept\n", r.text
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        # Without auto_resume, a paused sandbox refuses the request (and stays paused).
+        plain.pause()
+        with pytest.raises(Exception) as e:
+            plain.commands.run("true")
+        assert "paused" in str(e.value), e.value
+        assert Sandbox.get_info(plain.sandbox_id).state.value == "paused"
+    finally:
+        sbx.kill()
+        plain.kill()

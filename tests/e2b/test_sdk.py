@@ -222,8 +222,8 @@ def test_unknown_template_and_unsupported_features(daemon):
         Sandbox.create(template="no-such-template")
     assert "not found" in str(e.value)
     with pytest.raises(SandboxException) as e:
-        Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": True})
-    assert "autoResume is not supported" in str(e.value)
+        Sandbox.create(network={"dns_servers": ["10.0.0.1"]})
+    assert "network.dnsServers is not supported" in str(e.value)
 
 
 def test_wrong_api_key(daemon):

@@ -152,6 +152,11 @@ pub struct CreateSandboxRequest {
     /// (default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
+    /// Resume the sandbox when it is paused (by `pause`, or at its timeout or idle timeout with
+    /// `on_timeout: pause`) and a request for it comes: a command, a file, code, a port's traffic
+    /// (default false: such a request is a 409).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_resume: Option<bool>,
     /// Secrets kept out of the sandbox (docs/secrets.md): each is `$NAME` = a placeholder inside,
     /// and its value goes on the wire only in TLS requests to its hosts. Needs sandbox networking.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -254,6 +259,9 @@ pub struct Sandbox {
     /// Ports reachable without any token.
     #[serde(default)]
     pub allow_public_traffic: bool,
+    /// A request for the sandbox while it is paused resumes it.
+    #[serde(default)]
+    pub auto_resume: bool,
     /// How the sandbox's isolation runs on this host, where that is worth a warning: a microVM
     /// under TCG (software emulation, where the host's KVM cannot run the guest) says so here.
     #[serde(default, skip_serializing_if = "Option::is_none")]

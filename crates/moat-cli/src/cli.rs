@@ -203,6 +203,10 @@ pub struct CreateArgs {
     /// Let anyone reach the sandbox's ports (preview URLs) without its access token.
     #[arg(long)]
     pub public_ports: bool,
+    /// Resume the sandbox, when paused, on any request for it (a command, a file, a port's
+    /// traffic) instead of answering 409.
+    #[arg(long)]
+    pub auto_resume: bool,
     /// A secret kept out of the sandbox (docs/secrets.md): `NAME@HOST[,HOST...]`, its value read
     /// from this command's own environment variable NAME (never from the command line); inside,
     /// `$NAME` is a placeholder that the egress proxy replaces in TLS requests to the hosts.

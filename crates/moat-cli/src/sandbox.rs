@@ -32,6 +32,7 @@ pub fn create_request(args: &CreateArgs) -> anyhow::Result<CreateSandboxRequest>
         },
         network: args.net.policy(),
         allow_public_traffic: args.public_ports.then_some(true),
+        auto_resume: args.auto_resume.then_some(true),
         secrets: args
             .secrets
             .iter()

@@ -198,6 +198,8 @@ const MIGRATIONS: &[&str] = &[
         cert_pem TEXT NOT NULL,
         sealed_key BLOB NOT NULL
     );",
+    // 12: auto-resume: a paused sandbox resumes on a request for it (docs/api.md).
+    "ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// A secret as stored: its value sealed, the rest (the spec without its value) as JSON.
@@ -242,6 +244,8 @@ pub struct SandboxRecord {
     /// Opens the sandbox's exposed ports to holders without the API key.
     pub access_token: String,
     pub public_traffic: bool,
+    /// A paused sandbox resumes when a request for it comes.
+    pub auto_resume: bool,
     /// What stands under `layers` when it is not the template's own rootfs (a spec-built template's
     /// base): `template:NAME` or a layer digest.
     pub root: Option<String>,
@@ -284,6 +288,7 @@ pub struct Claim {
     pub on_timeout: moat_api::OnTimeout,
     pub network: Option<moat_api::NetworkPolicy>,
     pub public_traffic: bool,
+    pub auto_resume: bool,
 }
 
 /// A template row.
@@ -409,6 +414,7 @@ fn sandbox_from_row(r: &Row<'_>) -> rusqlite::Result<SandboxRecord> {
             .transpose()?,
         access_token: r.get("access_token")?,
         public_traffic: r.get::<_, i64>("public_traffic")? != 0,
+        auto_resume: r.get::<_, i64>("auto_resume")? != 0,
         root: r.get("root")?,
         runtime: parse_json(&r.get::<_, String>("runtime")?)?,
     })
@@ -606,9 +612,9 @@ impl Db {
             "INSERT INTO sandboxes (id, template, isolation, state, created_at_ms, expires_at_ms, metadata, env,
                                     cpu, memory_mb, hostname, slot, tier_state, pooled, limits, last_active_ms,
                                     layers, snapshot, on_timeout, network, access_token, public_traffic,
-                                    root, runtime)
+                                    root, runtime, auto_resume)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20,
-                     ?21, ?22, ?23, ?24)",
+                     ?21, ?22, ?23, ?24, ?25)",
             params![
                 rec.id,
                 rec.template,
@@ -637,6 +643,7 @@ impl Db {
                 rec.public_traffic as i64,
                 rec.root,
                 serde_json::to_string(&rec.runtime)?,
+                rec.auto_resume as i64,
             ],
         )?;
         tx.commit()?;
@@ -750,7 +757,7 @@ impl Db {
             c.query_row(
                 "UPDATE sandboxes SET pooled = 0, created_at_ms = ?2, expires_at_ms = ?3, metadata = ?4, env = ?5,
                         cpu = ?6, memory_mb = ?7, limits = ?8, last_active_ms = ?2, on_timeout = ?9,
-                        network = ?10, public_traffic = ?11
+                        network = ?10, public_traffic = ?11, auto_resume = ?12
                  WHERE id = (SELECT id FROM sandboxes WHERE pooled = 1 AND state = 'running' AND template = ?1
                              ORDER BY created_at_ms LIMIT 1)
                  RETURNING id",
@@ -768,7 +775,8 @@ impl Db {
                         .network
                         .as_ref()
                         .and_then(|n| serde_json::to_string(n).ok()),
-                    claim.public_traffic as i64
+                    claim.public_traffic as i64,
+                    claim.auto_resume as i64
                 ],
                 |r| r.get(0),
             )
@@ -1341,6 +1349,7 @@ mod tests {
             network: None,
             access_token: "t".into(),
             public_traffic: false,
+            auto_resume: false,
             root: None,
             runtime: Default::default(),
         }
@@ -1392,6 +1401,7 @@ mod tests {
             on_timeout: moat_api::OnTimeout::Pause,
             network: None,
             public_traffic: true,
+            auto_resume: true,
         };
         assert!(db
             .claim_pooled(&Claim {

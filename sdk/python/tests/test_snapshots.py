@@ -287,3 +287,17 @@ def test_full_snapshot_on_gvisor_continues_processes(daemon):
         _kill_all(made)
         for s in snaps:
             Sandbox.delete_snapshot(s.id)
+
+
+def test_idle_pause_then_auto_resume_on_a_request(daemon):
+    # Idle auto-pause: no request, no connection and no command running for 2 s pauses it
+    # (on_timeout="pause"); a command then resumes it, with its files and memory as they were.
+    with Sandbox.create(timeout=600, idle_timeout=2, on_timeout="pause", auto_resume=True) as sbx:
+        assert sbx.info.auto_resume is True
+        sbx.files.write("/opt/kept.txt", "still here")
+        deadline = time.time() + 30
+        while sbx.id not in [s.sandbox_id for s in Sandbox.list(state="paused")] and time.time() < deadline:
+            time.sleep(0.5)  # listing is no request for the sandbox itself
+        assert sbx.id in [s.sandbox_id for s in Sandbox.list(state="paused")]
+        assert sbx.commands.run("cat /opt/kept.txt").stdout == "still here"
+        assert sbx.get_info().state == "running"

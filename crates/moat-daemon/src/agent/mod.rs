@@ -27,6 +27,10 @@ pub mod vm;
 pub mod wire;
 
 pub use process::{chunk_bytes, ProcessEventLines};
+
+/// Tags of processes the daemon itself keeps in a sandbox (code kernels) begin with this: they do
+/// no work of their own between requests, so they never keep a sandbox from being idle.
+pub const DAEMON_TAG_PREFIX: &str = "moat-";
 pub use wire::{AgentError, AgentStream, Dial};
 
 /// A lazily (re)connected HTTP/2 client to one sandbox's agent.

@@ -200,6 +200,8 @@ pub(crate) async fn relay_unchecked(
 ) -> Result<Response, ApiError> {
     let id = sbx.id.as_str();
     let agent = st.sandboxes.agent(id).await?;
+    // The sandbox is not idle while this connection (or the WebSocket it becomes) is open.
+    let hold = Arc::new(st.sandboxes.hold(id));
     let io = agent.tcp_tunnel(port).await.map_err(|e| {
         ApiError::new(
             ErrorCode::Unavailable,
@@ -210,8 +212,10 @@ pub(crate) async fn relay_unchecked(
         .handshake::<_, Body>(TokioIo::new(io))
         .await
         .map_err(|e| ApiError::internal(format!("port {port}: HTTP handshake: {e}")))?;
+    let held = hold.clone();
     tokio::spawn(async move {
         let _ = conn.with_upgrades().await;
+        drop(held);
     });
 
     let upgrade = req.headers().get(header::UPGRADE).is_some();
@@ -245,6 +249,7 @@ pub(crate) async fn relay_unchecked(
                 let _ =
                     tokio::io::copy_bidirectional(&mut TokioIo::new(c), &mut TokioIo::new(s)).await;
             }
+            drop(hold);
         });
         let (parts, _) = resp.into_parts();
         return Ok(Response::from_parts(parts, Body::empty()));

@@ -46,6 +46,27 @@ fn tag(ctx: &str) -> String {
     format!("{TAG_PREFIX}{ctx}")
 }
 
+// A kernel waits for cells: it is one of the daemon's own processes, never the sandbox's work.
+const _: () = assert!(const_str_starts_with(
+    TAG_PREFIX,
+    crate::agent::DAEMON_TAG_PREFIX
+));
+
+const fn const_str_starts_with(s: &str, prefix: &str) -> bool {
+    let (s, p) = (s.as_bytes(), prefix.as_bytes());
+    if p.len() > s.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < p.len() {
+        if s[i] != p[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// The id of a language's default context.
 pub fn default_context_id(lang: CodeLanguage) -> String {
     format!("default-{lang}")

@@ -326,9 +326,6 @@ async fn create(
     })?;
     let req: NewSandbox = json_body(body).await?;
     let template_id = req.template_id.clone().unwrap_or_else(|| "base".into());
-    if req.auto_resume.as_ref().is_some_and(|a| a.enabled) {
-        return Err(unsupported("autoResume"));
-    }
     if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(unsupported("mcp"));
     }
@@ -394,6 +391,8 @@ async fn create(
         // E2B's ports are public unless `allowPublicTraffic: false` (then they need the
         // sandbox's traffic token), and so are those of a sandbox made through this API.
         allow_public_traffic: Some(net.allow_public_traffic.unwrap_or(true)),
+        // E2B's `lifecycle.auto_resume`: a paused sandbox wakes on a request or port traffic.
+        auto_resume: req.auto_resume.as_ref().map(|a| a.enabled),
         ..Default::default()
     };
     let made = match key {
@@ -450,7 +449,7 @@ fn listed(e: &E2b, s: &Sandbox, detail: bool) -> Value {
         v["domain"] = json!(e.domain);
         v["allowInternetAccess"] = json!(s.network.as_ref().map(|n| n.policy.allow_internet));
         v["lifecycle"] = json!({
-            "autoResume": false,
+            "autoResume": s.auto_resume,
             "onTimeout": s.on_timeout.as_str(),
         });
         if let Some(n) = &s.network {

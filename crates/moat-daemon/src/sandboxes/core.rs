@@ -120,6 +120,26 @@ pub struct Core {
     pub(super) disk_capped_at_start: std::sync::atomic::AtomicBool,
     /// Secrets (docs/secrets.md).
     pub(super) vault: Arc<crate::secrets::Vault>,
+    /// Connections open to each sandbox's ports now ([`Core::hold`]): activity for its idle clock.
+    held: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+}
+
+/// A connection to a sandbox's port, open: the sandbox is not idle while one is held.
+pub struct Hold {
+    held: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+    id: String,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// How long a start in flight may keep a sandbox `starting` before a delete stops waiting for it.
@@ -172,6 +192,7 @@ fn to_api(r: &SandboxRecord) -> Sandbox {
         network: None,
         access_token: r.access_token.clone(),
         allow_public_traffic: r.public_traffic,
+        auto_resume: r.auto_resume,
         isolation_note: None,
         ended: None,
         conditions: Vec::new(),
@@ -262,7 +283,45 @@ impl Core {
             keys_in_flight: std::sync::Mutex::new(HashMap::new()),
             ends: tokio::sync::broadcast::channel(4096).0,
             disk_capped_at_start: std::sync::atomic::AtomicBool::new(false),
+            held: Arc::default(),
         }
+    }
+
+    /// Marks a connection to sandbox `id` open until the returned [`Hold`] is dropped: its idle
+    /// timeout does not pass meanwhile.
+    pub fn hold(&self, id: &str) -> Hold {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held.entry(id.to_string()).or_default() += 1;
+        Hold {
+            held: self.held.clone(),
+            id: id.to_string(),
+        }
+    }
+
+    /// Whether sandbox `id` is in use though no request came for it: a connection to one of its
+    /// ports open, or a command of its own running (not its template's start command, nor an idle
+    /// code kernel). The reaper asks before an idle timeout ends or pauses it.
+    pub(super) async fn busy(&self, id: &str) -> bool {
+        if self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(id)
+        {
+            return true;
+        }
+        let Ok(agent) = self.agent_untouched(id).await else {
+            return false;
+        };
+        let Ok(list) = agent.processes().await else {
+            return false;
+        };
+        list.processes.iter().any(|p| {
+            p.running
+                && !p.tag.as_deref().is_some_and(|t| {
+                    t == super::start::TAG || t.starts_with(crate::agent::DAEMON_TAG_PREFIX)
+                })
+        })
     }
 
     /// Every sandbox that ends without being asked to from now on.

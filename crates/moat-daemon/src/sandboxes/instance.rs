@@ -74,6 +74,7 @@ impl Core {
             network: claim.network,
             access_token: new_access_token(),
             public_traffic: claim.public_traffic,
+            auto_resume: claim.auto_resume,
             root: stack.root,
             runtime: stack.runtime,
         }

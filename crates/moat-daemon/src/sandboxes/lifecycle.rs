@@ -141,6 +141,7 @@ impl Lifecycle {
             on_timeout: req.on_timeout.unwrap_or_default(),
             network,
             public_traffic: req.allow_public_traffic.unwrap_or(false),
+            auto_resume: req.auto_resume.unwrap_or(false),
         };
         let defaults = self.limits_for(&CreateSandboxRequest::default());
         // What a pooled sandbox cannot change after its start: the layer's filesystem and /tmp.
@@ -356,6 +357,26 @@ impl Lifecycle {
             sandbox: self.get(id)?,
             processes_kept: true,
         })
+    }
+
+    /// The agent connection of a running sandbox, for a request that reaches into it (every front
+    /// comes through here: REST, E2B, MCP, ports). A paused sandbox created with `auto_resume` is
+    /// resumed first, as `resume` would (its timeout restarts at the daemon's default); without it
+    /// the answer is a 409. Shadows [`Core::agent`], which never resumes.
+    pub async fn agent(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<Arc<crate::agent::AgentClient>, Error> {
+        let rec = self.record(id)?;
+        if rec.state == SandboxState::Paused && rec.auto_resume {
+            match self.resume(id, ResumeRequest::default()).await {
+                Ok(_) => tracing::info!(sandbox = %id, "resumed by a request for it (auto_resume)"),
+                // Another request resumed it first.
+                Err(Error::Conflict(_)) if self.record(id)?.state == SandboxState::Running => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Core::agent(self, id).await
     }
 
     /// Thaws a paused sandbox; its timeout restarts (`timeout` seconds, or the daemon default).

@@ -161,6 +161,7 @@ impl Pool {
                 .then(moat_api::NetworkPolicy::default),
             access_token: new_access_token(),
             public_traffic: false,
+            auto_resume: false,
             root: stack.root,
             runtime: stack.runtime,
         };

@@ -79,6 +79,14 @@ impl Reaper {
                 if rec.state == SandboxState::Starting {
                     continue;
                 }
+                // Idle means no request, no open connection to its ports and no command of its
+                // own running: one still at work has its idle clock restarted.
+                if reason == Reason::Idle && self.sandboxes.busy(&id).await {
+                    if let Err(e) = self.sandboxes.db.touch(&id, now) {
+                        tracing::warn!(sandbox = %id, "idle clock: {e:#}");
+                    }
+                    continue;
+                }
                 if rec.on_timeout == moat_api::OnTimeout::Pause {
                     tracing::info!(sandbox = %id, "timeout or idle timeout passed: pausing");
                     if let Err(e) = self.sandboxes.pause(&id).await {
@@ -89,7 +97,8 @@ impl Reaper {
                 tracing::info!(sandbox = %id, "timeout or idle timeout passed");
                 let message = if reason == Reason::Idle {
                     format!(
-                        "its idle timeout ({} s) passed without an API request for it",
+                        "its idle timeout ({} s) passed without a request for it, a connection \
+                         to its ports or a command of its own running",
                         rec.limits.idle_timeout
                     )
                 } else {

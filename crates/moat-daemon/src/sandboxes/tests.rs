@@ -481,6 +481,78 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
 }
 
 #[tokio::test]
+async fn idle_means_no_request_no_open_connection_and_no_command_running() {
+    let w = world();
+    let sbx =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                idle_timeout: Some(1),
+                on_timeout: Some(OnTimeout::Pause),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    let idle_since = || w.db.touch(&sbx.id, now_ms() - 2000).unwrap();
+    let state = || w.s.sandboxes.get(&sbx.id).unwrap().state;
+    // A connection to one of its ports is open: not idle (and its idle clock restarts).
+    let hold = w.s.sandboxes.hold(&sbx.id);
+    idle_since();
+    w.s.reaper.expire().await;
+    assert_eq!(state(), SandboxState::Running);
+    assert!(w.db.get_sandbox(&sbx.id).unwrap().unwrap().last_active_ms > now_ms() - 1000);
+    drop(hold);
+    // A command of its own runs: not idle.
+    let agent = w.s.sandboxes.agent(&sbx.id).await.unwrap();
+    agent
+        .start_background(&moat_api::StartProcessRequest {
+            command: Some("sleep 100".into()),
+            background: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    idle_since();
+    w.s.reaper.expire().await;
+    assert_eq!(state(), SandboxState::Running);
+}
+
+#[tokio::test]
+async fn auto_resume_resumes_a_paused_sandbox_for_a_request_and_only_then() {
+    let w = world();
+    let sbx =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                auto_resume: Some(true),
+                on_timeout: Some(moat_api::OnTimeout::Pause),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    assert!(sbx.auto_resume);
+    // Paused at its timeout, as asked.
+    w.db.set_expiry(&sbx.id, now_ms() - 1).unwrap();
+    w.s.reaper.expire().await;
+    assert_eq!(
+        w.s.sandboxes.get(&sbx.id).unwrap().state,
+        SandboxState::Paused
+    );
+    // Listing and reading it does not wake it; a request into it does, with a new timeout.
+    let _ = w.s.sandboxes.list(&Default::default()).unwrap();
+    assert!(w.tier.instance(&sbx.id).unwrap().paused);
+    w.s.sandboxes.agent(&sbx.id).await.unwrap();
+    assert!(!w.tier.instance(&sbx.id).unwrap().paused);
+    let rec = w.db.get_sandbox(&sbx.id).unwrap().unwrap();
+    assert_eq!(rec.state, SandboxState::Running);
+    assert!(rec.expires_at_ms > now_ms());
+    // Two requests at once on a paused sandbox: one resumes it, both get the agent.
+    w.s.sandboxes.pause(&sbx.id).await.unwrap();
+    let (a, b) = tokio::join!(w.s.sandboxes.agent(&sbx.id), w.s.sandboxes.agent(&sbx.id));
+    a.unwrap();
+    b.unwrap();
+    assert!(!w.tier.instance(&sbx.id).unwrap().paused);
+}
+
+#[tokio::test]
 async fn pause_freezes_refuses_the_agent_and_resume_restarts_the_clock() {
     let w = world();
     let sbx = w.s.sandboxes.create(Default::default()).await.unwrap();

@@ -32,12 +32,15 @@ def ended_error(d: Dict[str, Any]) -> Optional[NotFoundError]:
 
 
 def create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation, snapshot=None,
-                on_timeout=None, network=None, allow_public_traffic=None, secrets=None) -> Dict[str, Any]:
+                on_timeout=None, network=None, allow_public_traffic=None, secrets=None,
+                auto_resume=None, idle_timeout=None) -> Dict[str, Any]:
     body: Dict[str, Any] = {}
     for k, v in (("template", template), ("timeout", timeout), ("cpu", cpu), ("memory_mb", memory_mb),
                  ("isolation", isolation), ("snapshot", snapshot_ref(snapshot)), ("on_timeout", on_timeout),
                  ("network", policy_json(network) if network is not None else None),
-                 ("allow_public_traffic", None if allow_public_traffic is None else bool(allow_public_traffic))):
+                 ("allow_public_traffic", None if allow_public_traffic is None else bool(allow_public_traffic)),
+                 ("auto_resume", None if auto_resume is None else bool(auto_resume)),
+                 ("idle_timeout", idle_timeout)):
         if v is not None:
             body[k] = v
     if envs:

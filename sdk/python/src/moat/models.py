@@ -180,6 +180,8 @@ class SandboxInfo:
     access_token: str = ""
     #: Whether its ports answer anyone, without the API key or the access token.
     allow_public_traffic: bool = False
+    #: Whether a request for it while it is paused resumes it.
+    auto_resume: bool = False
     #: Why it ended, when ``state == "ended"`` (its timeout, the OOM killer, its agent lost, ...).
     ended: Optional["Cause"] = None
     #: What degraded it while it ran (a process the OOM killer ended, a refused fork, a full disk).
@@ -195,6 +197,7 @@ class SandboxInfo:
                    network=NetworkInfo.from_json(d["network"]) if d.get("network") else None,
                    access_token=d.get("access_token") or "",
                    allow_public_traffic=bool(d.get("allow_public_traffic")),
+                   auto_resume=bool(d.get("auto_resume")),
                    ended=Cause.from_json(d["ended"]) if d.get("ended") else None,
                    conditions=[Cause.from_json(c) for c in d.get("conditions") or []])
 

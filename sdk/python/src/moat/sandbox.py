@@ -50,7 +50,8 @@ class Sandbox:
                snapshot: Optional[SnapshotRef] = None, on_timeout: Optional[str] = None,
                network: Optional[PolicyLike] = None, allow_public_traffic: Optional[bool] = None,
                idempotency_key: Optional[str] = None,
-               secrets: Optional[List[Dict[str, Any]]] = None) -> "Sandbox":
+               secrets: Optional[List[Dict[str, Any]]] = None,
+               auto_resume: Optional[bool] = None, idle_timeout: Optional[int] = None) -> "Sandbox":
         """Creates a sandbox. ``timeout``: seconds until it is killed (daemon default 300).
 
         ``snapshot``: start from a snapshot (id, name or :class:`SnapshotInfo`); its template, tier, limits and
@@ -62,6 +63,10 @@ class Sandbox:
         default when not given; an :class:`InvalidArgumentError`
         with ``field == "network"`` when the daemon runs with ``--network none``). ``allow_public_traffic``:
         its exposed ports answer anyone, without the API key or its access token (default False).
+
+        ``idle_timeout``: seconds without a request for it after which it ends (or pauses, with
+        ``on_timeout="pause"``). ``auto_resume``: when paused, a request for it (a command, a file, a port's
+        traffic) resumes it instead of failing (default False).
 
         ``idempotency_key``: a retry of this create with the same key and arguments (after a lost answer)
         returns the sandbox the first one made instead of a second (kept 24 h); other arguments under the
@@ -75,7 +80,8 @@ class Sandbox:
         try:
             d = api.json("POST", "/v1/sandboxes",
                          json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                snapshot, on_timeout, network, allow_public_traffic, secrets),
+                                                snapshot, on_timeout, network, allow_public_traffic, secrets,
+                                                auto_resume, idle_timeout),
                          headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             api.close()

@@ -273,6 +273,7 @@ impl Builds {
             on_timeout: moat_api::OnTimeout::Kill,
             network,
             public_traffic: false,
+            auto_resume: false,
         };
         let rec = self.new_record(claim, isolation, None, stack);
         self.start_new(rec, tier, rootfs).await

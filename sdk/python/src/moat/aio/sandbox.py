@@ -44,13 +44,15 @@ class AsyncSandbox:
                      network: Optional[PolicyLike] = None,
                      allow_public_traffic: Optional[bool] = None,
                      idempotency_key: Optional[str] = None,
-                     secrets: Optional[List[Dict[str, Any]]] = None) -> "AsyncSandbox":
+                     secrets: Optional[List[Dict[str, Any]]] = None,
+                     auto_resume: Optional[bool] = None, idle_timeout: Optional[int] = None) -> "AsyncSandbox":
         """Creates a sandbox (see :meth:`Sandbox.create`)."""
         api = AsyncApi(ConnectionConfig.resolve(api_key, api_url))
         try:
             d = await api.json("POST", "/v1/sandboxes",
                                json=_core.create_body(template, timeout, envs, metadata, cpu, memory_mb, isolation,
-                                                      snapshot, on_timeout, network, allow_public_traffic, secrets),
+                                                      snapshot, on_timeout, network, allow_public_traffic, secrets,
+                                                      auto_resume, idle_timeout),
                                headers=_core.idempotency_headers(idempotency_key))
         except BaseException:
             await api.close()
