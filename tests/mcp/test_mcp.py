@@ -17,7 +17,8 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from conftest import BIN
 
 TOOLS = {"create_sandbox", "list_sandboxes", "kill_sandbox", "run_command", "run_code", "read_file",
-         "write_file", "list_files"}
+         "write_file", "list_files", "snapshot_sandbox", "fork_snapshot", "reset_sandbox", "pause_sandbox",
+         "resume_sandbox", "get_network_policy", "set_network_policy", "network_log"}
 
 
 @contextlib.asynccontextmanager
@@ -176,3 +177,53 @@ def _sdk_ci_rootfs() -> str:
     from conftest import _sdk
 
     return _sdk.CI_ROOTFS
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_snapshot_fork_reset_pause_resume(daemon, transport):
+    async def go():
+        async with session(daemon, transport) as s:
+            r = await call(s, "create_sandbox", timeout=300)
+            sid = text_of(r).splitlines()[0].split(": ", 1)[1].strip()
+            made = [sid]
+            try:
+                assert not (await call(s, "write_file", sandbox_id=sid, path="/root/state.txt",
+                                       content="before")).is_error
+                r = await s.call_tool("snapshot_sandbox", {"sandbox_id": sid, "name": f"mcp-{transport}"})
+                assert not r.is_error, text_of(r)
+                assert text_of(r).startswith("snapshot_id: snap_"), text_of(r)
+                await call(s, "write_file", sandbox_id=sid, path="/root/state.txt", content="after")
+
+                r = await call(s, "fork_snapshot", snapshot=f"mcp-{transport}", count=2)
+                assert not r.is_error, text_of(r)
+                forks = [ln for ln in text_of(r).splitlines()[1:] if ln.startswith("sbx_")]
+                assert len(forks) == 2, text_of(r)
+                made += forks
+                for f in forks:
+                    assert text_of(await call(s, "read_file", sandbox_id=f, path="/root/state.txt")) == "before"
+
+                r = await call(s, "reset_sandbox", sandbox_id=sid, snapshot=f"mcp-{transport}")
+                assert not r.is_error, text_of(r)
+                assert text_of(await call(s, "read_file", sandbox_id=sid, path="/root/state.txt")) == "before"
+
+                r = await call(s, "pause_sandbox", sandbox_id=sid)
+                assert not r.is_error and "paused" in text_of(r), text_of(r)
+                r = await call(s, "run_command", sandbox_id=sid, command="true")
+                assert r.is_error and "paused" in text_of(r), text_of(r)
+                r = await call(s, "resume_sandbox", sandbox_id=sid)
+                assert not r.is_error and "resumed" in text_of(r), text_of(r)
+                r = await call(s, "run_command", sandbox_id=sid, command="echo awake")
+                assert "awake" in text_of(r), text_of(r)
+
+                # This daemon runs without sandbox networking: the network tools say so.
+                for tool, args in (("get_network_policy", {}), ("set_network_policy", {"allow_internet": False})):
+                    r = await s.call_tool(tool, {"sandbox_id": sid, **args})
+                    assert r.is_error and "network" in text_of(r).lower(), (tool, text_of(r))
+                r = await call(s, "network_log", sandbox_id=sid)
+                assert not r.is_error and text_of(r) == "no connections logged", text_of(r)
+                r = await call(s, "network_log", sandbox_id=sid, decision="maybe")
+                assert r.is_error and "allow, deny or audit" in text_of(r), text_of(r)
+            finally:
+                for m in made:
+                    await call(s, "kill_sandbox", sandbox_id=m)
+    run(go())

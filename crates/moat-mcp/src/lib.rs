@@ -122,6 +122,63 @@ pub struct ListFilesArgs {
     pub depth: Option<u32>,
 }
 
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SnapshotArgs {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// A name to find the snapshot by later (fork_snapshot and reset_sandbox take it as well as its id).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ForkArgs {
+    /// The snapshot's id or name (from snapshot_sandbox).
+    pub snapshot: String,
+    /// How many sandboxes to start from it (1 to 100). Default 1.
+    #[serde(default)]
+    pub count: Option<u32>,
+    /// Seconds until each new sandbox is killed. Default: the daemon's default.
+    #[serde(default)]
+    pub timeout: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ResetArgs {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// Reset to this snapshot (id or name) instead of the state the sandbox started from.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SetNetworkArgs {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// Whether the sandbox may reach the internet at large (what allow_out/deny_out do not name). Unchanged when absent.
+    #[serde(default)]
+    pub allow_internet: Option<bool>,
+    /// Destinations always allowed: domain names (api.github.com, *.pypi.org), addresses or CIDR ranges. Replaces the list when given.
+    #[serde(default)]
+    pub allow_out: Option<Vec<String>>,
+    /// Destinations always refused (same forms). Replaces the list when given; allow_out wins over deny_out.
+    #[serde(default)]
+    pub deny_out: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct NetworkLogArgs {
+    /// The sandbox's id.
+    pub sandbox_id: String,
+    /// Only entries with this decision: "allow", "deny" or "audit". Default: all.
+    #[serde(default)]
+    pub decision: Option<String>,
+    /// At most this many entries, oldest first (1 to 1000). Default 100.
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
 fn api_error(e: moat_client::Error) -> CallToolResult {
     CallToolResult::error(vec![Content::text(format!("error: {e}"))])
 }
@@ -482,6 +539,177 @@ impl MoatMcp {
             Err(e) => api_error(e),
         }
     }
+
+    #[tool(
+        description = "Save a sandbox's filesystem as a snapshot (the sandbox keeps running). Returns the snapshot's id; fork_snapshot starts new sandboxes from it, reset_sandbox brings a sandbox back to it."
+    )]
+    async fn snapshot_sandbox(&self, Parameters(a): Parameters<SnapshotArgs>) -> CallToolResult {
+        let req = moat_api::CreateSnapshotRequest {
+            name: a.name.filter(|n| !n.trim().is_empty()),
+            ..Default::default()
+        };
+        match self.client.create_snapshot(&a.sandbox_id, &req).await {
+            Ok(s) => text(format!(
+                "snapshot_id: {}
+name: {}
+size_bytes: {}",
+                s.id,
+                s.name.as_deref().unwrap_or("-"),
+                s.size_bytes
+            )),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "Start count new sandboxes from a snapshot, each with the snapshot's files (for trying several approaches from one state). Returns their ids."
+    )]
+    async fn fork_snapshot(&self, Parameters(a): Parameters<ForkArgs>) -> CallToolResult {
+        let req = moat_api::ForkRequest {
+            count: a.count.unwrap_or(1),
+            timeout: a.timeout,
+            ..Default::default()
+        };
+        match self.client.fork(&a.snapshot, &req).await {
+            Ok(list) => text(format!(
+                "sandbox_ids:\n{}",
+                list.iter()
+                    .map(|s| s.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            )),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "Reset a sandbox's filesystem to the state it started from (or to a snapshot): every change since is gone and its processes start afresh. The sandbox keeps its id."
+    )]
+    async fn reset_sandbox(&self, Parameters(a): Parameters<ResetArgs>) -> CallToolResult {
+        let req = moat_api::ResetRequest {
+            snapshot: a.snapshot.filter(|s| !s.trim().is_empty()),
+        };
+        match self.client.reset_sandbox(&a.sandbox_id, &req).await {
+            Ok(s) => text(format!("reset {} (state: {})", s.id, s.state.as_str())),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "Pause a sandbox: every process is frozen (no CPU), memory and files are kept, and it does not expire while paused. resume_sandbox continues it."
+    )]
+    async fn pause_sandbox(&self, Parameters(a): Parameters<SandboxIdArgs>) -> CallToolResult {
+        match self.client.pause_sandbox(&a.sandbox_id).await {
+            Ok(r) => text(format!("paused {}", r.sandbox.id)),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(description = "Resume a paused sandbox: its processes continue where they were.")]
+    async fn resume_sandbox(&self, Parameters(a): Parameters<SandboxIdArgs>) -> CallToolResult {
+        match self
+            .client
+            .resume_sandbox(&a.sandbox_id, &Default::default())
+            .await
+        {
+            Ok(r) => text(format!(
+                "resumed {} (processes kept: {}, expires_at: {})",
+                r.sandbox.id, r.processes_kept, r.sandbox.expires_at
+            )),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "Show a sandbox's network egress policy: whether it may reach the internet, the destinations always allowed (allow_out) and always refused (deny_out), and its address."
+    )]
+    async fn get_network_policy(&self, Parameters(a): Parameters<SandboxIdArgs>) -> CallToolResult {
+        match self.client.get_network(&a.sandbox_id).await {
+            Ok(n) => text(to_json(&n)),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "Change a sandbox's network egress policy, live: allow_internet, allow_out and deny_out (each unchanged when absent). Returns the new policy."
+    )]
+    async fn set_network_policy(
+        &self,
+        Parameters(a): Parameters<SetNetworkArgs>,
+    ) -> CallToolResult {
+        let mut policy = match self.client.get_network(&a.sandbox_id).await {
+            Ok(n) => n.policy,
+            Err(e) => return api_error(e),
+        };
+        if let Some(v) = a.allow_internet {
+            policy.allow_internet = v;
+        }
+        if let Some(v) = a.allow_out {
+            policy.allow_out = v;
+        }
+        if let Some(v) = a.deny_out {
+            policy.deny_out = v;
+        }
+        match self.client.set_network(&a.sandbox_id, &policy).await {
+            Ok(n) => text(to_json(&n.policy)),
+            Err(e) => api_error(e),
+        }
+    }
+
+    #[tool(
+        description = "The sandbox's connection log: every outbound connection and DNS question, oldest first, with the decision (allow/deny/audit), the rule that decided and the bytes moved. Use it to see what a program tried to reach."
+    )]
+    async fn network_log(&self, Parameters(a): Parameters<NetworkLogArgs>) -> CallToolResult {
+        let decision = match a.decision.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(d) => match serde_json::from_value(serde_json::Value::String(d.to_string())) {
+                Ok(d) => Some(d),
+                Err(_) => {
+                    return CallToolResult::error(vec![Content::text(format!(
+                        "error: decision {d:?}: use allow, deny or audit"
+                    ))])
+                }
+            },
+        };
+        let q = moat_api::NetworkLogQuery {
+            decision,
+            limit: Some(a.limit.unwrap_or(100).clamp(1, 1000)),
+            ..Default::default()
+        };
+        match self.client.network_log(&a.sandbox_id, &q).await {
+            Ok(entries) if entries.is_empty() => text("no connections logged"),
+            Ok(entries) => {
+                let lines: Vec<String> = entries
+                    .iter()
+                    .map(|e| {
+                        let dst = match (&e.name, &e.dst_ip, e.dst_port) {
+                            (Some(n), _, Some(p)) => format!("{n}:{p}"),
+                            (Some(n), _, None) => n.clone(),
+                            (None, Some(ip), Some(p)) => format!("{ip}:{p}"),
+                            (None, Some(ip), None) => ip.clone(),
+                            (None, None, _) => "?".into(),
+                        };
+                        let decision = serde_json::to_value(e.decision)
+                            .ok()
+                            .and_then(|v| v.as_str().map(str::to_string))
+                            .unwrap_or_default();
+                        format!(
+                            "{}\t{}\t{}\t{}\t{}\t{}/{}",
+                            e.at, e.protocol, dst, decision, e.rule, e.bytes_out, e.bytes_in
+                        )
+                    })
+                    .collect();
+                text(truncated(
+                    &format!(
+                        "at\tprotocol\tdestination\tdecision\trule\tbytes out/in\n{}",
+                        lines.join("\n")
+                    ),
+                    MAX_TEXT_BYTES,
+                ))
+            }
+            Err(e) => api_error(e),
+        }
+    }
 }
 
 #[tool_handler(router = self.tool_router)]
@@ -492,7 +720,10 @@ impl ServerHandler for MoatMcp {
             .with_instructions(
                 "moat runs isolated Linux sandboxes. Create one with create_sandbox, then run shell \
                  commands (run_command), stateful code cells (run_code) and read/write files in it \
-                 by its sandbox_id. Kill it with kill_sandbox when done.",
+                 by its sandbox_id. Save a state with snapshot_sandbox, start copies of it with \
+                 fork_snapshot, go back with reset_sandbox; pause_sandbox/resume_sandbox freeze \
+                 and continue it; get_network_policy/set_network_policy and network_log show and \
+                 change what it may reach. Kill it with kill_sandbox when done.",
             )
     }
 }
@@ -565,6 +796,14 @@ mod tests {
             "read_file",
             "write_file",
             "list_files",
+            "snapshot_sandbox",
+            "fork_snapshot",
+            "reset_sandbox",
+            "pause_sandbox",
+            "resume_sandbox",
+            "get_network_policy",
+            "set_network_policy",
+            "network_log",
         ] {
             assert!(names.iter().any(|x| x == n), "missing {n} in {names:?}");
         }
