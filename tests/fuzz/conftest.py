@@ -21,9 +21,10 @@ _sdk.UID_BASE = os.environ.get("MOAT_FUZZ_TEST_UID_BASE", "3700000000")
 
 @pytest.fixture(scope="session")
 def daemon():
-    # Short sandbox lifetimes: the fuzzer creates many and leaves them; a small --max-timeout keeps
-    # the bounds it reads from the document (and so what it generates) small too.
-    d = _sdk.Daemon(["--e2b-listen", "off", "--default-timeout", "20", "--max-timeout", "120"])
+    # Short default lifetimes: the fuzzer creates many and leaves them. The hooks give the container
+    # and gVisor ones it drives across phases 300 s (moat_fuzz_hooks.lifetimes_that_outlast_the_run),
+    # within --max-timeout.
+    d = _sdk.Daemon(["--e2b-listen", "off", "--default-timeout", "20", "--max-timeout", "600"])
     try:
         yield d
     finally:

@@ -55,3 +55,31 @@ def fresh_idempotency_keys(context, case, kwargs):
         v = headers[name]
         if isinstance(v, str) and 1 <= len(v) <= 200 and all(33 <= ord(ch) <= 126 for ch in v):
             headers[name] = f"{v}-{next(_keys)}"
+
+
+def _at_least(body, field: str, least: int) -> None:
+    """A valid lifetime (a positive integer) shorter than `least`, or none, becomes `least`."""
+    v = body.get(field)
+    if v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 < v < least):
+        body[field] = least
+
+
+@schemathesis.hook("before_call")
+def lifetimes_that_outlast_the_run(context, case, kwargs):
+    """Sandboxes made by one phase are driven by later ones (the stateful phase's scenarios have met
+    sandboxes created a minute before, by then ended at the 20 s default timeout or a generated
+    one-second `idle_timeout`: a correct 404 that says when and why, but ST302 to schemathesis).
+    Creates and forks of container and gVisor sandboxes get lifetimes that outlast the run (300 s;
+    the daemon's bounds on them are what the coverage phase's invalid values test, and a sandbox
+    ending at its timeout or idle timeout is tested by the daemon's unit and end-to-end tests).
+    microVMs keep what was generated: each holds its guest's memory while it lives."""
+    if case.method.upper() != "POST" or not isinstance(case.body, dict):
+        return
+    if case.body.get("isolation") == "microvm":
+        return
+    if case.operation.path == "/v1/sandboxes":
+        _at_least(case.body, "timeout", 300)
+        if "idle_timeout" in case.body:
+            _at_least(case.body, "idle_timeout", 300)
+    elif case.operation.path == "/v1/snapshots/{id}/fork":
+        _at_least(case.body, "timeout", 300)

@@ -26,7 +26,7 @@ def _st() -> str:
 
 
 def _keep_alive(daemon, sid: str, stop: threading.Event) -> None:
-    """Renews the shared sandbox's timeout while the run lasts (the daemon caps it at 120 s). A
+    """Renews the shared sandbox's timeout while the run lasts (renewed to 120 s each time). A
     renewal that fails (a slow answer on a loaded machine) is tried again at the next tick: an
     exception here would end the thread, and the sandbox 120 s after its start."""
     while not stop.wait(10):

@@ -481,6 +481,23 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
 }
 
 #[tokio::test]
+async fn a_microvm_too_small_to_boot_is_refused_naming_memory_mb() {
+    let w = world();
+    let r =
+        w.s.sandboxes
+            .create(CreateSandboxRequest {
+                isolation: Some(Isolation::Microvm),
+                memory_mb: Some(64),
+                ..Default::default()
+            })
+            .await;
+    assert!(
+        matches!(&r, Err(Error::Invalid { field, message }) if field == "memory_mb" && message.contains("at least 128")),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
 async fn idle_means_no_request_no_open_connection_and_no_command_running() {
     let w = world();
     let sbx =

@@ -198,6 +198,19 @@ impl Core {
                 ));
             }
         }
+        let isolation = req.isolation.unwrap_or(self.settings.default_isolation);
+        if let Some(m) = req.memory_mb {
+            let least = crate::tier::microvm::MIN_MEMORY_MB;
+            if isolation == moat_api::Isolation::Microvm && m < least {
+                return Err(Error::invalid(
+                    "memory_mb",
+                    format!(
+                        "memory_mb must be at least {least} on the microvm tier (its guest kernel \
+                         and agent live in that memory), got {m}"
+                    ),
+                ));
+            }
+        }
         if req.disk_inodes.is_some_and(|n| n > 0) && req.disk_mb == Some(0) {
             return Err(Error::invalid(
                 "disk_inodes",

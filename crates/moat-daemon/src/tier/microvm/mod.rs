@@ -38,6 +38,11 @@ use crate::host::proc;
 
 /// Guest memory on top of the sandbox's memory limit: the guest kernel and the agent.
 const GUEST_OVERHEAD_MB: u64 = 96;
+
+/// The least `memory_mb` a microVM boots with: its guest's RAM (this plus its overhead) also holds
+/// the kernel, the unpacked initrd with the agent, and init; with less the guest cannot start
+/// (found by the API fuzzer: 64 MiB did not boot, 96 MiB did, with a debug build's agent).
+pub const MIN_MEMORY_MB: u64 = 128;
 /// Host memory QEMU itself needs besides guest memory (TCG's translation cache included).
 const QEMU_OVERHEAD_MB: u64 = 320;
 /// Size of the writable disk of a sandbox without a disk quota (sparse: costs what is written).
