@@ -481,12 +481,16 @@ async fn expiry_deletes_or_pauses_as_the_sandbox_asked() {
 }
 
 #[tokio::test]
-async fn a_microvm_too_small_to_boot_is_refused_naming_memory_mb() {
-    let w = world();
+async fn a_sandbox_smaller_than_its_tier_can_start_is_refused_naming_memory_mb() {
+    // As the microvm tier says of itself (its guest needs the memory to boot).
+    let tier = FakeTier::new(Isolation::Container).with_capabilities(TierCapabilities {
+        min_memory_mb: 128,
+        ..Default::default()
+    });
+    let w = world_with(0, tier);
     let r =
         w.s.sandboxes
             .create(CreateSandboxRequest {
-                isolation: Some(Isolation::Microvm),
                 memory_mb: Some(64),
                 ..Default::default()
             })

@@ -200,13 +200,14 @@ impl Core {
         }
         let isolation = req.isolation.unwrap_or(self.settings.default_isolation);
         if let Some(m) = req.memory_mb {
-            let least = crate::tier::microvm::MIN_MEMORY_MB;
-            if isolation == moat_api::Isolation::Microvm && m < least {
+            let least = self.capabilities(isolation).min_memory_mb;
+            if m < least {
                 return Err(Error::invalid(
                     "memory_mb",
                     format!(
-                        "memory_mb must be at least {least} on the microvm tier (its guest kernel \
-                         and agent live in that memory), got {m}"
+                        "memory_mb must be at least {least} on the {} tier (what it needs to \
+                         start lives in that memory), got {m}",
+                        isolation.as_str()
                     ),
                 ));
             }

@@ -78,6 +78,7 @@ impl FakeTier {
                 process_limit_inside: false,
                 limits_fixed_at_start: false,
                 checkpoint_ends_connections: true,
+                min_memory_mb: 0,
             },
             state: Arc::default(),
         }

@@ -136,6 +136,9 @@ pub struct TierCapabilities {
     /// A full-state snapshot ends the connection to the sandbox's agent (the next request makes
     /// a new one).
     pub checkpoint_ends_connections: bool,
+    /// The least `memory_mb` a sandbox of the tier starts with (0: the API's own floor); a create
+    /// asking for less is refused naming `memory_mb`.
+    pub min_memory_mb: u64,
 }
 
 impl TierCapabilities {

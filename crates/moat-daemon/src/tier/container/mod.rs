@@ -406,6 +406,7 @@ impl Tier for ContainerTier {
             process_limit_inside: false,
             limits_fixed_at_start: false,
             checkpoint_ends_connections: true,
+            min_memory_mb: 0,
         }
     }
 

@@ -1000,6 +1000,7 @@ impl Tier for GvisorTier {
             process_limit_inside: true,
             limits_fixed_at_start: false,
             checkpoint_ends_connections: true,
+            min_memory_mb: 0,
         }
     }
 

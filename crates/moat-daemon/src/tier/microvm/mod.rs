@@ -42,7 +42,7 @@ const GUEST_OVERHEAD_MB: u64 = 96;
 /// The least `memory_mb` a microVM boots with: its guest's RAM (this plus its overhead) also holds
 /// the kernel, the unpacked initrd with the agent, and init; with less the guest cannot start
 /// (found by the API fuzzer: 64 MiB did not boot, 96 MiB did, with a debug build's agent).
-pub const MIN_MEMORY_MB: u64 = 128;
+const MIN_MEMORY_MB: u64 = 128;
 /// Host memory QEMU itself needs besides guest memory (TCG's translation cache included).
 const QEMU_OVERHEAD_MB: u64 = 320;
 /// Size of the writable disk of a sandbox without a disk quota (sparse: costs what is written).
@@ -1295,6 +1295,7 @@ impl Tier for MicrovmTier {
             // VM of its own.
             limits_fixed_at_start: true,
             checkpoint_ends_connections: false,
+            min_memory_mb: MIN_MEMORY_MB,
         }
     }
 
