@@ -187,18 +187,13 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// `.NAME.moat-new-PID-N` for a file that did not exist, `.NAME.moat-tmp-PID-N` for one replaced.
 /// Watchers (`watch.rs`) hide these and report the rename as what it is to the user: the file
 /// created (when new) and written.
-fn temp_name(name: &str, new: bool) -> String {
+pub(crate) fn temp_name(name: &str, new: bool) -> String {
     format!(
         ".{name}.moat-{}-{}-{}",
         if new { "new" } else { "tmp" },
         std::process::id(),
         TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
     )
-}
-
-#[cfg(test)]
-pub(crate) fn temp_name_for_test(name: &str, new: bool) -> String {
-    temp_name(name, new)
 }
 
 /// Whether `name` is one of [`temp_name`]'s, and if so whether its destination is new.

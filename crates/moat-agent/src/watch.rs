@@ -267,9 +267,7 @@ mod tests {
         w.add(&ino, dir.path()).unwrap();
         // What write_file does: a temporary beside, filled, chmod, renamed over the destination.
         let write = |new: bool| {
-            let tmp = dir
-                .path()
-                .join(super::super::fsops::temp_name_for_test("f.txt", new));
+            let tmp = dir.path().join(crate::fsops::temp_name("f.txt", new));
             std::fs::write(&tmp, b"data").unwrap();
             std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o644))
                 .unwrap();

@@ -46,27 +46,6 @@ fn tag(ctx: &str) -> String {
     format!("{TAG_PREFIX}{ctx}")
 }
 
-// A kernel waits for cells: it is one of the daemon's own processes, never the sandbox's work.
-const _: () = assert!(const_str_starts_with(
-    TAG_PREFIX,
-    crate::agent::DAEMON_TAG_PREFIX
-));
-
-const fn const_str_starts_with(s: &str, prefix: &str) -> bool {
-    let (s, p) = (s.as_bytes(), prefix.as_bytes());
-    if p.len() > s.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < p.len() {
-        if s[i] != p[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
-
 /// The id of a language's default context.
 pub fn default_context_id(lang: CodeLanguage) -> String {
     format!("default-{lang}")
@@ -766,6 +745,12 @@ fn timeout_error(timeout: Duration, restarted: bool) -> CodeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernels_carry_the_daemon_s_tag_prefix() {
+        // So that an idle kernel never keeps its sandbox from being idle (Core::busy).
+        assert!(tag("ctx").starts_with(crate::agent::DAEMON_TAG_PREFIX));
+    }
 
     #[test]
     fn marker_scanner_finds_split_markers() {

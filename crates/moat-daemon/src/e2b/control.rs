@@ -48,7 +48,6 @@ fn key_ok(e: &E2b, headers: &http::HeaderMap) -> bool {
         })
         .map(str::trim);
     let key = e.app.api_key.as_bytes();
-    let e2b_form = super::e2b_api_key(&e.app.api_key);
     given.is_some_and(|g| {
         let plain = g
             .strip_prefix("e2b_")
@@ -56,7 +55,7 @@ fn key_ok(e: &E2b, headers: &http::HeaderMap) -> bool {
             .unwrap_or(g);
         // Both compared, always: the time taken says nothing about which form was close.
         let a = crate::api::constant_time_eq(plain.as_bytes(), key);
-        let b = crate::api::constant_time_eq(g.as_bytes(), e2b_form.as_bytes());
+        let b = crate::api::constant_time_eq(g.as_bytes(), e.key.as_bytes());
         a | b
     })
 }

@@ -48,15 +48,18 @@ pub struct E2b {
     watchers: filesystem::Watchers,
     /// Sandbox hosts are `{port}-{id}.{domain}` (E2B's `get_host`); lower case, may carry a port.
     pub domain: String,
+    /// The API key in E2B's form ([`e2b_api_key`]).
+    key: String,
 }
 
 impl E2b {
     pub fn new(app: Arc<AppState>, domain: String) -> Arc<E2b> {
         Arc::new(E2b {
-            app,
             ids: Mutex::new(HashMap::new()),
             watchers: filesystem::Watchers::default(),
             domain,
+            key: e2b_api_key(&app.api_key),
+            app,
         })
     }
 
